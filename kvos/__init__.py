@@ -1,0 +1,14 @@
+"""kvos: an LLM inference engine built around the KV cache as virtual memory."""
+from kvos.engine.outputs import CompletionOutput, RequestOutput
+from kvos.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":  # torch is imported only when the engine is used
+        from kvos.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

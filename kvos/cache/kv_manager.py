@@ -1,0 +1,82 @@
+"""The scheduler's one handle on KV memory: hits, allocation, forks and frees."""
+from __future__ import annotations
+
+from kvos.cache.block import KVBlock
+from kvos.cache.block_pool import BlockPool
+from kvos.cache.full_attention import FullAttentionManager
+from kvos.cache.sequence import CacheableSequence
+from kvos.cache.spec import FullAttentionSpec
+from kvos.cache.stats import CacheCounters, CacheUsage
+
+
+class KVCacheManager:
+    """Coordinates the block pool and the layer-group managers.
+
+    Contract with the scheduler:
+    - ``get_computed_blocks`` before a sequence's first allocation (or after preemption); it
+      never covers the last known token, whose logits must be computed.
+    - ``allocate_slots`` is all-or-nothing: on False nothing changed and the caller may
+      preempt and retry.
+    - ``free`` once per sequence that was allocated; afterwards no block is referenced by it.
+    - ``take_copies`` returns the copy-on-write copies the runner must do before this step's forward.
+    """
+
+    def __init__(self, spec: FullAttentionSpec, num_blocks: int, model_id: str = "",
+                 enable_caching: bool = True) -> None:
+        self.counters = CacheCounters()
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, counters=self.counters)
+        self.group = FullAttentionManager(spec, self.pool, model_id)
+        self.spec = spec
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def get_computed_blocks(self, seq: CacheableSequence) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of ``seq``: (blocks, tokens covered). Counts one prefix query."""
+        if not self.pool.enable_caching:
+            return [], 0
+        blocks = self.group.find_longest_hit(seq, seq.num_tokens - 1)
+        hit_tokens = len(blocks) * self.block_size
+        self.counters.prefix_queries_tokens += seq.num_tokens
+        self.counters.prefix_hits_tokens += hit_tokens
+        return blocks, hit_tokens
+
+    def allocate_slots(self, seq: CacheableSequence, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for ``seq``'s next ``num_new_tokens`` tokens after its computed ones and
+        the ``new_computed_blocks`` prefix hit (whose tokens the caller adds to
+        ``num_computed_tokens`` after this returns True)."""
+        new_computed = new_computed_blocks or []
+        total = seq.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
+        if self.group.num_blocks_needed(seq, total, new_computed) > self.pool.num_free_blocks():
+            return False
+        self.group.allocate(seq, total, new_computed)
+        return True
+
+    def fork(self, parent: CacheableSequence, child: CacheableSequence) -> None:
+        self.group.fork(parent, child)
+
+    def free(self, seq: CacheableSequence) -> None:
+        self.group.free(seq)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.group.block_ids(request_id)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.group.pending_copies = self.group.pending_copies, []
+        return copies
+
+    def usage(self) -> CacheUsage:
+        return self.pool.usage()
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        return {"block_size": self.block_size, "page_bytes": self.spec.page_bytes,
+                **self.usage().as_dict(), **self.counters.as_dict()}

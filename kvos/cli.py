@@ -1,0 +1,153 @@
+"""The ``kvos`` command: generate, chat, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30)
+    g.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (overrides the budget)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default="cpu")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
+                kv_cache_memory_bytes=a.kv_cache_memory_bytes, num_blocks=a.num_blocks,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                max_model_len=a.max_model_len, dtype=a.dtype, device=a.device)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stats", action="store_true", help="print the KV cache's figures")
+
+
+def sampling_params(a: argparse.Namespace):
+    from kvos import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, min_p=a.min_p, seed=a.seed, stop=a.stop)
+
+
+def format_stats(stats: dict) -> str:
+    lines = ["KV cache:",
+             f"  blocks     {stats['total']} x {stats['block_size']} tokens ({stats['page_bytes']} B each): "
+             f"used {stats['used']}, cached {stats['cached']}, free {stats['free']} (usage {stats['kv_usage']:.1%})",
+             f"  prefix     {stats['prefix_hits_tokens']} of {stats['prefix_queries_tokens']} prompt tokens hit "
+             f"({stats['prefix_hit_rate']:.1%})",
+             f"  events     evictions {stats['evictions']}, preemptions {stats['preemptions']}, "
+             f"recomputed tokens {stats['recomputed_tokens']}, copy-on-write {stats['cow_copies']}"]
+    return "\n".join(lines)
+
+
+def stream(engine, request_id: str) -> str:
+    """Drive ``engine`` until ``request_id`` finishes, printing its text as it grows."""
+    shown = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            text = out.outputs[0].text
+            if text.startswith(shown):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    return shown
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from kvos import LLM
+
+    llm = LLM(**engine_kwargs(a))
+    rid = llm.engine.add_request(a.prompt, sampling_params(a))
+    stream(llm.engine, rid)
+    if a.stats:
+        print(format_stats(llm.stats()))
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from kvos import LLM
+
+    llm = LLM(**engine_kwargs(a))
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    print("kvos chat: type a message, /stats for the cache's figures, /exit to leave.")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/stats":
+            print(format_stats(llm.stats()))
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = llm.chat_token_ids(messages)
+        rid = llm.engine.add_request({"prompt_token_ids": ids}, sampling_params(a))
+        reply = stream(llm.engine, rid)
+        messages.append({"role": "assistant", "content": reply})
+        if a.stats:
+            print(format_stats(llm.stats()))
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from kvos.bench import throughput
+
+    result = throughput.run(a)
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvos", description="LLM inference with the KV cache as virtual memory")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="complete one prompt, streaming tokens")
+    g.add_argument("prompt")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    c.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(fn=cmd_chat)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    t = bsub.add_parser("throughput", help="kvos vs HF transformers generate, and prefix-cache TTFT")
+    from kvos.bench.throughput import add_args
+
+    add_args(t)
+    add_engine_args(t)
+    t.set_defaults(fn=cmd_bench)
+    a = p.parse_args(argv)
+    try:
+        return a.fn(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The engine's one configuration object."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes an engine. Sizes are in tokens unless named ``_bytes``.
+
+    The KV pool holds ``num_blocks`` blocks if given, else as many as fit in
+    ``kv_cache_memory_bytes``. ``max_model_len`` defaults to the model's context length.
+    """
+
+    model: str | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int = 2 << 30
+    num_blocks: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
+            raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

@@ -1,0 +1,101 @@
+"""The offline Python API, mirroring vLLM's ``LLM``."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from kvos.config import EngineConfig
+from kvos.engine.llm_engine import LLMEngine, PromptType
+from kvos.engine.outputs import RequestOutput
+from kvos.engine.sampling_params import SamplingParams
+
+Message = dict[str, str]
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def validate_messages(messages) -> list[Message]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if m["role"] not in _ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {_ROLES}, got {m['role']!r}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"messages[{i}].content must be a string")
+    return messages
+
+
+class LLM:
+    """``LLM()`` loads the default model (SmolLM2-135M-Instruct); keyword arguments are
+    ``EngineConfig`` fields (``block_size``, ``enable_prefix_caching``, ``kv_cache_memory_bytes``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``dtype``, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the order of ``prompts``.
+
+        Every prompt is validated before any is queued, so a bad one raises ``ValueError``
+        without leaving work behind.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        for p in prompts:
+            self.engine.tokenize_prompt(p)
+        for sp in params_list:
+            sp.validate()
+        ids = []
+        try:
+            for p, sp, pr in zip(prompts, params_list, prios):
+                ids.append(self.engine.add_request(p, sp, priority=pr, cache_salt=cache_salt))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.chat_token_ids(c, add_generation_prompt)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+
+    def chat_token_ids(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        text = self.engine.tokenizer.apply_chat_template(
+            validate_messages(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
+        return list(self.engine.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()

@@ -1,0 +1,219 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvos.cache.kv_manager import KVCacheManager
+from kvos.cache.spec import FullAttentionSpec
+from kvos.config import EngineConfig
+from kvos.engine.detokenizer import IncrementalDetokenizer
+from kvos.engine.outputs import CompletionOutput, RequestOutput
+from kvos.engine.request import Request, RequestStatus
+from kvos.engine.sampling_params import SamplingParams
+from kvos.engine.scheduler import Scheduler, SchedulerConfig
+from kvos.model.loader import load_tokenizer, resolve_model_path
+from kvos.model.runner import ModelRunner, parse_dtype
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class _Group:
+    """The ``n`` sequences of one user request and their text."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: dict[int, Request] = field(default_factory=dict)
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    cum_logprob: dict[int, float] = field(default_factory=dict)
+    first_token_time: float | None = None
+
+    def finished(self) -> bool:
+        parent = self.seqs[0]
+        if parent.is_finished and not parent.forked:
+            return True
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs.values())
+
+
+class LLMEngine:
+    """Owns the tokenizer, the KV memory system, the scheduler and the model runner.
+
+    Not thread-safe: one caller drives ``add_request``/``abort_request``/``step``.
+    A bad request is rejected in ``add_request`` with a ``ValueError`` naming the field and
+    leaves the engine and other requests untouched.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.tokenizer = load_tokenizer(path)
+        dtype = parse_dtype(config.dtype)
+        self.runner = ModelRunner(path, dtype, torch.device(config.device))
+        mc = self.model_config = self.runner.cfg
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.spec = FullAttentionSpec(config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                      str(dtype).removeprefix("torch."))
+        num_blocks = config.num_blocks or self.spec.num_blocks_for_memory(config.kv_cache_memory_bytes)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds fewer than two "
+                             f"blocks of {self.spec.page_bytes} bytes")
+        self.kv = KVCacheManager(self.spec, num_blocks, model_id=f"{path.name}:{self.spec.dtype}",
+                                 enable_caching=config.enable_prefix_caching)
+        self.runner.allocate_kv_cache(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                                                   config.scheduling_policy), self.kv)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, _Group] = {}
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of integers")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        return list(ids)
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                             f"which leaves no room for output")
+        usable = self.kv.pool.num_usable_blocks * self.spec.block_size
+        if len(ids) + 1 > usable:
+            raise ValueError(f"prompt is {len(ids)} tokens; the KV pool holds only {usable} "
+                             f"(raise kv_cache_memory_bytes)")
+        req = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
+                      cache_salt=cache_salt, max_model_len=self.max_model_len)
+        group = _Group(request_id, text, ids, params, time.monotonic())
+        group.seqs[0] = req
+        self._groups[request_id] = group
+        self._seq_group[request_id] = group
+        self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort every sequence of a request; its blocks are freed at once."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for rid, seq in list(self.scheduler.requests.items()):
+            if seq.parent_id == request_id:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        for seq in group.seqs.values():
+            self._seq_group.pop(seq.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and post-process one step; returns outputs of requests that changed."""
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        got = self.scheduler.update_from_output(out, {r: s.token_id for r, s in sampled.items()})
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for seq in got:
+            group = self._seq_group.setdefault(seq.request_id, self._groups[seq.parent_id])
+            group.seqs.setdefault(seq.sample_index, seq)
+            group.first_token_time = group.first_token_time or now
+            self._record(group, seq, sampled[seq.request_id])
+            touched[group.request_id] = group
+        for rid in out.finished_ids:
+            group = self._seq_group.get(rid)
+            if group is not None and group.request_id in self._groups:
+                touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            finished = group.finished()
+            outputs.append(self._output(group, finished, now))
+            if finished:
+                self._groups.pop(group.request_id, None)
+                for seq in group.seqs.values():
+                    self._seq_group.pop(seq.request_id, None)
+        return outputs
+
+    def _record(self, group: _Group, seq: Request, st) -> None:
+        i = seq.sample_index
+        detok = group.detoks.get(i)
+        if detok is None:
+            detok = group.detoks[i] = IncrementalDetokenizer(self.tokenizer, group.params)
+        if st.logprob is not None:
+            group.cum_logprob[i] = group.cum_logprob.get(i, 0.0) + st.logprob
+            entry = {st.token_id: st.logprob, **dict(st.top_logprobs or [])}
+            group.logprobs.setdefault(i, []).append(entry)
+        stop = detok.update(seq.output_token_ids)
+        if stop is not None:
+            seq.stop_reason = stop
+            if seq.is_finished:
+                seq.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
+        elif seq.is_finished:
+            detok.flush()
+
+    def _output(self, group: _Group, finished: bool, now: float) -> RequestOutput:
+        comps = []
+        for i in sorted(group.seqs):
+            seq, detok = group.seqs[i], group.detoks.get(i)
+            comps.append(CompletionOutput(
+                index=i, text=detok.text if detok else "", token_ids=list(seq.output_token_ids),
+                cumulative_logprob=group.cum_logprob.get(i), logprobs=group.logprobs.get(i),
+                finish_reason=seq.status.value if seq.is_finished else None,
+                stop_reason=seq.stop_reason))
+        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time}
+        if finished:
+            metrics["finished_time"] = now
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished,
+                             num_cached_tokens=max(0, group.seqs[0].num_cached_tokens), metrics=metrics)
+
+    # -- observability -------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {**self.kv.stats(), "num_blocks": self.kv.pool.num_blocks,
+                "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting()}
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()

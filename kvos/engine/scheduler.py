@@ -1,0 +1,222 @@
+"""Continuous batching with chunked prefill and recompute preemption. Pure Python (no torch)."""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from kvos.cache.kv_manager import KVCacheManager
+from kvos.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    policy: str = "fcfs"  # or "priority": lower ``priority`` value is served first
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class ScheduledSeq:
+    """``request`` computes tokens ``[start, start + num_new_tokens)`` this step.
+
+    ``samplers`` receive one sampled token each from the logits of the last of those tokens
+    (empty while a prefill is still partial; the request and its new forks when ``n > 1``).
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: list[int]
+    samplers: list[Request] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    copies: list[tuple[int, int]]
+    preempted: list[Request]
+    finished_ids: list[str]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Decides each step which sequences run and how many tokens each computes.
+
+    Running sequences go first (decodes and unfinished prefill chunks), then waiting ones while
+    the token budget, ``max_num_seqs`` and free blocks allow. When blocks run out, the victim is
+    the running sequence with the lowest priority (highest value), latest arrival first; its
+    blocks are freed (full ones stay cached) and it rejoins the waiting queue, to resume by
+    recompute with prefix hits.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple[int, int, int], Request]] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+
+    # -- queue management ----------------------------------------------------------------
+    def _key(self, req: Request) -> tuple[int, int, int]:
+        return (req.priority if self.config.policy == "priority" else 0, req.arrival, req.sample_index)
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for _, r in sorted(self._waiting, key=lambda x: x[0])]
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self._waiting)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        heapq.heappush(self._waiting, (self._key(req), req))
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a sequence wherever it is; frees its blocks at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self._waiting = [(k, r) for k, r in self._waiting if r is not req]
+            heapq.heapify(self._waiting)
+        req.status = status
+        self.kv.free(req)
+        self._finished_ids.append(request_id)
+        return req
+
+    # -- scheduling ----------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.kv.counters.preemptions += 1
+        heapq.heappush(self._waiting, (self._key(req), req))
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+        preempted: list[Request] = []
+        self.running.sort(key=self._key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = max(self.running, key=self._key)
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # req itself was preempted; running[i] is now the next one
+            scheduled[req.request_id] = self._scheduled(req, num_new)
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                _, req = self._waiting[0]
+                hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - hit_tokens, budget)
+                if not self.kv.allocate_slots(req, num_new, hit_blocks):
+                    if not self.running:  # even an empty pool cannot hold it: it can never run
+                        self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                        continue
+                    break
+                heapq.heappop(self._waiting)
+                req.num_computed_tokens = hit_tokens
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = hit_tokens
+                if req.max_computed_tokens > hit_tokens:
+                    self.kv.counters.recomputed_tokens += req.max_computed_tokens - hit_tokens
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled[req.request_id] = self._scheduled(req, num_new)
+                budget -= num_new
+
+        seqs = list(scheduled.values())
+        for s in seqs:
+            self._fork_if_needed(s)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
+                               finished_ids=finished)
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        samples = start + num_new == req.num_tokens
+        return ScheduledSeq(req, start, num_new, self.kv.block_ids(req.request_id),
+                            [req] if samples else [])
+
+    def _fork_if_needed(self, s: ScheduledSeq) -> None:
+        """At the end of an ``n > 1`` prompt, share its blocks with ``n - 1`` new sequences;
+        all ``n`` are sampled from this step's logits."""
+        req = s.request
+        n = req.sampling_params.n
+        if not s.samplers or n == 1 or req.forked or req.num_output_tokens:
+            return
+        req.forked = True
+        for index in range(1, n):
+            child = req.fork(index)
+            child.num_computed_tokens = s.start + s.num_new_tokens
+            child.status = RequestStatus.RUNNING
+            self.kv.fork(req, child)
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            s.samplers.append(child)
+
+    # -- after the forward ---------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish sequences that hit a
+        token-level stop. Returns the sequences that received a token."""
+        got_token = []
+        for s in out.seqs:
+            req = s.request
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
+            for target in s.samplers:
+                if target.status != RequestStatus.RUNNING or target.request_id not in sampled:
+                    continue
+                target.append_token(sampled[target.request_id])
+                got_token.append(target)
+                status = target.check_stop()
+                if status is not None:
+                    self.finish_request(target.request_id, status)
+        return got_token

@@ -1,0 +1,105 @@
+"""Paged attention: the backend interface and the torch reference implementation."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go and what they attend to.
+
+    Sequences are ordered decodes first (one query token each), then prefill chunks.
+    ``slot_mapping[t]`` is the flat cache slot (``block_id * block_size + offset``) of token t.
+    ``block_tables[i]`` lists sequence i's blocks, padded with the null block 0;
+    ``seq_lens[i]`` counts its tokens after this step (cached prefix plus new tokens);
+    ``query_lens[i]`` counts its new tokens. Python lists mirror the tensors for per-sequence loops.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    num_decodes: int
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache, then attends over each sequence's blocks.
+
+    Safety rule: the blocks named by ``block_tables`` must be referenced by their sequences for
+    the whole step; slots in ``slot_mapping`` belong to blocks no other sequence writes this step.
+    """
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
+        Returns [T, H, D]."""
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    kvh, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """Gathers each sequence's K/V through its block table and calls SDPA.
+
+    Decodes run as one padded batch with a length mask; each prefill chunk runs alone with a
+    causal mask offset by its cached prefix. The numerical oracle for other backends.
+    """
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        t = nd
+        for i in range(nd, len(meta.query_lens_list)):
+            n, ctx = meta.query_lens_list[i], meta.seq_lens_list[i]
+            out[t : t + n] = self._prefill(q[t : t + n], k_cache, v_cache, meta.block_tables[i], ctx,
+                                           meta.block_size, scale)
+            t += n
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        nd = q.shape[0]
+        max_len = max(meta.seq_lens_list[:nd])
+        nb = -(-max_len // meta.block_size)
+        tables = meta.block_tables[:nd, :nb]
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        keys = k_cache[tables].view(nd, nb * meta.block_size, kvh, d).transpose(1, 2)
+        values = v_cache[tables].view(nd, nb * meta.block_size, kvh, d).transpose(1, 2)
+        pos = torch.arange(nb * meta.block_size, device=q.device)
+        mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, table, ctx: int, block_size: int, scale: float) -> torch.Tensor:
+        n = q.shape[0]
+        nb = -(-ctx // block_size)
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        keys = k_cache[table[:nb]].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+        values = v_cache[table[:nb]].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+        qh = q.transpose(0, 1).unsqueeze(0)
+        if n == ctx:
+            o = F.scaled_dot_product_attention(qh, keys.to(q.dtype), values.to(q.dtype),
+                                               is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            qpos = torch.arange(ctx - n, ctx, device=q.device)
+            mask = qpos[:, None] >= torch.arange(ctx, device=q.device)[None, :]
+            o = F.scaled_dot_product_attention(qh, keys.to(q.dtype), values.to(q.dtype),
+                                               attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)

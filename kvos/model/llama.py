@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral without sliding window, Qwen2, Qwen3)
+with paged attention. Parameter names follow HF so safetensors load as they are."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvos.model.attention import AttentionBackend, AttentionMetadata
+from kvos.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"model: rope_scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding:
+    """Non-interleaved (HF ``rotate_half``) rotary embedding; the cos/sin table stays float32."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
+        freqs = torch.outer(t, rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.hd ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.nh, self.hd)
+        k = k.view(-1, self.nkv, self.hd)
+        v = v.view(-1, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` takes the flat tokens of a step and returns hidden states; ``compute_logits``
+    projects only the rows that are sampled."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope: RotaryEmbedding | None = None  # set by the loader on the model's device
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, kv_caches[i], meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up. Raises ValueError on a missing or
+        misshapen tensor, naming it."""
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"model: weight {name!r} is missing")
+            return weights[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"model: weight {name!r} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.data.copy_(value)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if self.cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            put(self.lm_head.weight, weights["lm_head.weight"], "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            put(a.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
+            if a.qkv_proj.bias is not None:
+                bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                put(a.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
+            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if a.q_norm is not None:
+                put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight")
