@@ -16,7 +16,7 @@ class FullAttentionManager:
     """Per-request block tables for a group whose layers attend to every earlier token.
 
     Block ``i`` of a table holds tokens ``[i*block_size, (i+1)*block_size)``. Full blocks are
-    registered in the prefix index once their tokens are scheduled; a partially filled block
+    registered in the prefix index once their KV is computed; a partially filled block
     is shared only after ``fork`` and is copied before the first write (copy-on-write).
     """
 
@@ -83,10 +83,15 @@ class FullAttentionManager:
         need = cdiv(num_tokens, self.block_size) - len(table)
         if need > 0:
             table.extend(self.pool.get_new_blocks(need))
-        self._cache_full_blocks(seq, table, num_tokens)
 
-    def _cache_full_blocks(self, seq: CacheableSequence, table: list[KVBlock], num_tokens: int) -> None:
-        num_full = num_tokens // self.block_size
+    def cache_blocks(self, seq: CacheableSequence) -> None:
+        """Register ``seq``'s full blocks up to ``num_computed_tokens`` in the prefix index.
+
+        Only safe once their KV has been written: a block registered before its step ran could
+        be hit while holding garbage if the sequence were preempted or aborted first.
+        """
+        table = self.tables.get(seq.request_id, [])
+        num_full = seq.num_computed_tokens // self.block_size
         start = self._num_cached.get(seq.request_id, 0)
         if num_full <= start or not self.pool.enable_caching:
             return

@@ -17,6 +17,7 @@ class KVCacheManager:
       never covers the last known token, whose logits must be computed.
     - ``allocate_slots`` is all-or-nothing: on False nothing changed and the caller may
       preempt and retry.
+    - ``cache_blocks`` after each step that computed tokens of the sequence (never before).
     - ``free`` once per sequence that was allocated; afterwards no block is referenced by it.
     - ``take_copies`` returns the copy-on-write copies the runner must do before this step's forward.
     """
@@ -57,6 +58,10 @@ class KVCacheManager:
             return False
         self.group.allocate(seq, total, new_computed)
         return True
+
+    def cache_blocks(self, seq: CacheableSequence) -> None:
+        """After a step ran: make ``seq``'s newly computed full blocks hittable."""
+        self.group.cache_blocks(seq)
 
     def fork(self, parent: CacheableSequence, child: CacheableSequence) -> None:
         self.group.fork(parent, child)

@@ -211,6 +211,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens = s.start + s.num_new_tokens
             req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
+            self.kv.cache_blocks(req)
             for target in s.samplers:
                 if target.status != RequestStatus.RUNNING or target.request_id not in sampled:
                     continue

@@ -1,6 +1,7 @@
 """Find a model (default package, GGUF file or HF folder) and build model + tokenizer."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -53,7 +54,10 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
+@functools.lru_cache(maxsize=2)
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model with its weights. Cached per (path, dtype, device): engines in one process
+    share read-only weights (the runner only calls it under ``torch.inference_mode``)."""
     cfg, weights = load_weights(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -64,6 +68,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Mo
     return cfg, model
 
 
+@functools.lru_cache(maxsize=2)
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 

@@ -1,6 +1,7 @@
 """The tensor side of the engine: owns the model, the paged K/V tensors and the sampler."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ class ModelRunner:
         self.kv_caches: torch.Tensor | None = None
         self.block_size = 0
         self._generators: dict[str, torch.Generator] = {}
+        self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
+        """Called with (request ids, float32 logits rows) each step before sampling; a debugging
+        and testing aid that must not modify the tensor."""
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.cfg
@@ -64,7 +68,7 @@ class ModelRunner:
         ids, pos, query_lens, seq_lens = [], [], [], []
         max_blocks = max(len(s.block_ids) for s in seqs)
         tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        logit_rows, sample_rows, targets = [], [], []
+        logit_rows, row_ids, sample_rows, targets = [], [], [], []
         t = 0
         for i, s in enumerate(seqs):
             ids.extend(s.token_ids)
@@ -76,6 +80,7 @@ class ModelRunner:
             if s.samplers:
                 row = len(logit_rows)
                 logit_rows.append(t - 1)
+                row_ids.append(s.request.request_id)
                 for target in s.samplers:
                     sample_rows.append(SampleRow(row, target.sampling_params, self._generator(target)))
                     targets.append(target.request_id)
@@ -87,7 +92,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, device=self.device), query_lens_list=query_lens,
             seq_lens_list=seq_lens, num_decodes=sum(1 for n in query_lens if n == 1), block_size=bs)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return input_ids, positions.to(self.device), meta, logit_rows, sample_rows, targets
+        return input_ids, positions.to(self.device), meta, logit_rows, row_ids, sample_rows, targets
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
@@ -99,9 +104,11 @@ class ModelRunner:
             self.kv_caches[:, :, dst].copy_(self.kv_caches[:, :, src])
         if out.is_empty:
             return {}
-        input_ids, positions, meta, logit_rows, sample_rows, targets = self._prepare(out)
+        input_ids, positions, meta, logit_rows, row_ids, sample_rows, targets = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if not logit_rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        if self.logits_hook is not None:
+            self.logits_hook(row_ids, logits)
         return dict(zip(targets, self.sampler(logits, sample_rows)))
