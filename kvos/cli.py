@@ -113,10 +113,42 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from kvos.bench import throughput
-
-    result = throughput.run(a)
+    result = a.bench_run(a)
     print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+def usage_banner(host: str, port: int, model: str, api_key: str | None) -> str:
+    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
+    return f"""
+kvos is serving {model} on http://{host}:{port}  (health: /health, metrics: /metrics)
+
+  curl http://{host}:{port}/v1/chat/completions{auth} -H "Content-Type: application/json" \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="http://{host}:{port}/v1", api_key="{api_key or 'none'}")
+  print(client.chat.completions.create(model="{model}",
+        messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)
+"""
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from kvos.engine.llm_engine import LLMEngine
+    from kvos.config import EngineConfig
+    from kvos.serve.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
+    name = a.served_model_name or engine.model_path.name.removesuffix(".gguf").split(".")[0]
+    app = create_app(engine, name, api_keys=a.api_key, max_waiting=a.max_waiting_requests,
+                     warmup=not a.no_warmup)
+    print(usage_banner(a.host, a.port, name, (a.api_key or [None])[0]), flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=60)
     return 0
 
 
@@ -133,14 +165,29 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(fn=cmd_chat)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (repeatable; each key is a cache tenant)")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests waiting for their first token beyond this get 429")
+    s.add_argument("--no-warmup", action="store_true")
+    add_engine_args(s)
+    s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("throughput", help="kvos vs HF transformers generate, and prefix-cache TTFT")
-    from kvos.bench.throughput import add_args
+    from kvos.bench import serve as bench_serve
+    from kvos.bench import throughput
 
-    add_args(t)
+    throughput.add_args(t)
     add_engine_args(t)
-    t.set_defaults(fn=cmd_bench)
+    t.set_defaults(fn=cmd_bench, bench_run=throughput.run)
+    sv = bsub.add_parser("serve", help="HTTP load against a running server: TTFT, TPOT, throughput")
+    bench_serve.add_args(sv)
+    sv.set_defaults(fn=cmd_bench, bench_run=bench_serve.run)
     a = p.parse_args(argv)
     try:
         return a.fn(a)

@@ -6,25 +6,12 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from kvos.config import EngineConfig
+from kvos.engine.chat import chat_prompt_ids
 from kvos.engine.llm_engine import LLMEngine, PromptType
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
 
 Message = dict[str, str]
-_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def validate_messages(messages) -> list[Message]:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        if m["role"] not in _ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {_ROLES}, got {m['role']!r}")
-        if not isinstance(m["content"], str):
-            raise ValueError(f"messages[{i}].content must be a string")
-    return messages
 
 
 class LLM:
@@ -79,9 +66,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def chat_token_ids(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        text = self.engine.tokenizer.apply_chat_template(
-            validate_messages(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
-        return list(self.engine.tokenizer(text, add_special_tokens=False).input_ids)
+        return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -1,0 +1,185 @@
+"""Runs an LLMEngine on its own thread and hands results to asyncio tasks."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvos.engine.llm_engine import LLMEngine
+from kvos.engine.outputs import RequestOutput
+from kvos.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvos.serve")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Owns the engine thread; every engine call happens on that thread.
+
+    Commands (add, abort) are queued and applied between steps, so a step never sees a half-added
+    request. An exception in a step fails the requests of that step and the engine goes on.
+    ``generate`` aborts its request when the consumer stops iterating (client disconnect).
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvos-engine", daemon=True)
+        self.num_pending = 0  # submitted, no output yet (event-loop thread only)
+        self.step_errors = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def submit(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
+                     cache_salt: str | None = None) -> RequestStream:
+        """Queue a request; returns once the engine accepted it. Raises ``ValueError`` (naming
+        the field) if the engine rejects it."""
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        accepted = loop.create_future()
+        self._submit(("add", (prompt, params, request_id, priority, cache_salt), stream, accepted))
+        self.num_pending += 1
+        try:
+            await accepted
+        except BaseException:
+            self.num_pending -= 1
+            self.abort(request_id)  # covers cancellation after the engine already took it
+            raise
+        return RequestStream(self, request_id, stream)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id, None, None))
+
+    async def drain(self, timeout: float) -> None:
+        """Wait until no request is in flight (graceful shutdown)."""
+        end = time.monotonic() + timeout
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    # -- engine thread -------------------------------------------------------------------
+    def _submit(self, cmd) -> None:
+        self._cmds.put(cmd)
+        self._wake.set()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg, stream, accepted = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                prompt, params, rid, priority, salt = arg
+                try:
+                    self.engine.add_request(prompt, params, request_id=rid, priority=priority, cache_salt=salt)
+                except Exception as e:  # a bad request never stops the engine
+                    stream.loop.call_soon_threadsafe(_settle, accepted, e)
+                    continue
+                self._streams[rid] = stream
+                stream.loop.call_soon_threadsafe(_settle, accepted, None)
+            else:
+                self.engine.abort_request(arg)
+                self._streams.pop(arg, None)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                log.exception("engine step failed; failing its requests")
+                self.step_errors += 1
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine error: {error}"))
+        self._streams.clear()
+
+
+def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+class RequestStream:
+    """Cumulative outputs of one accepted request. ``aclose`` (or leaving ``async for`` early)
+    aborts it if unfinished, freeing its blocks at once."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self.arrival = time.monotonic()
+        self.first_output_time: float | None = None
+        self.last: RequestOutput | None = None
+        self._pending = True
+
+    def _got_output(self) -> None:
+        if self._pending:
+            self._pending = False
+            self.engine.num_pending -= 1
+            self.first_output_time = time.monotonic()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while self.last is None or not self.last.finished:
+                item = await self._stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self._got_output()
+                self.last = item
+                yield item
+        finally:
+            await self.aclose()
+
+    async def result(self) -> RequestOutput:
+        async for _ in self:
+            pass
+        assert self.last is not None
+        return self.last
+
+    async def aclose(self) -> None:
+        if self._pending:
+            self._pending = False
+            self.engine.num_pending -= 1
+        if self.last is None or not self.last.finished:
+            self.engine.abort(self.request_id)

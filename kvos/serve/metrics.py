@@ -1,0 +1,84 @@
+"""Prometheus metrics, named after vLLM's under a ``kvos:`` prefix."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PROMPT_BUCKETS = (128, 512, 2048, 8192)
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+def prompt_bucket(n: int) -> str:
+    """The prompt-length label: "0-128", "128-512", ..., "8192+"."""
+    lo = 0
+    for hi in PROMPT_BUCKETS:
+        if n < hi:
+            return f"{lo}-{hi}"
+        lo = hi
+    return f"{lo}+"
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's cache and queue figures at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+        yield GaugeMetricFamily("kvos:kv_cache_usage_perc", "Fraction of KV blocks referenced by requests.",
+                                value=s["kv_usage"])
+        blocks = GaugeMetricFamily("kvos:kv_cache_blocks", "KV blocks by state.", labels=["state"])
+        for state in ("free", "cached", "used"):
+            blocks.add_metric([state], s[state])
+        yield blocks
+        yield GaugeMetricFamily("kvos:num_requests_running", "Sequences in the running batch.", value=s["running"])
+        yield GaugeMetricFamily("kvos:num_requests_waiting", "Sequences waiting to be scheduled.",
+                                value=s["waiting"])
+        yield GaugeMetricFamily("kvos:prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens).",
+                                value=s["prefix_hit_rate"])
+        for name, key, doc in [
+            ("kvos:prefix_cache_queries", "prefix_queries_tokens", "Prompt tokens looked up in the prefix cache."),
+            ("kvos:prefix_cache_hits", "prefix_hits_tokens", "Prompt tokens found in the prefix cache."),
+            ("kvos:kv_cache_evictions", "evictions", "Cached blocks evicted to make room."),
+            ("kvos:num_preemptions", "preemptions", "Sequences preempted (recompute)."),
+            ("kvos:recomputed_tokens", "recomputed_tokens", "Tokens computed again after preemption or eviction."),
+            ("kvos:kv_cache_cow_copies", "cow_copies", "Copy-on-write block copies."),
+        ]:
+            yield CounterMetricFamily(name, doc, value=s[key])
+
+
+class ServerMetrics:
+    """Per-app registry: engine figures plus request latency histograms."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        r = self.registry
+        self.ttft = Histogram("kvos:time_to_first_token_seconds", "Time to first token.",
+                              ["prompt_len_bucket"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvos:time_per_output_token_seconds", "Time per output token after the first.",
+                              ["prompt_len_bucket"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvos:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvos:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("kvos:generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("kvos:request_success", "Finished requests by reason.", ["finished_reason"],
+                                registry=r)
+        self.rejected = Counter("kvos:request_rejected", "Requests refused by status code.", ["code"], registry=r)
+
+    def observe(self, prompt_len: int, arrival: float, first: float | None, end: float, num_out: int,
+                reason: str) -> None:
+        bucket = prompt_bucket(prompt_len)
+        if first is not None:
+            self.ttft.labels(bucket).observe(first - arrival)
+            if num_out > 1:
+                self.tpot.labels(bucket).observe((end - first) / (num_out - 1))
+        self.e2e.observe(end - arrival)
+        self.prompt_tokens.inc(prompt_len)
+        self.generation_tokens.inc(num_out)
+        self.requests.labels(reason).inc()

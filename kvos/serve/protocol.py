@@ -1,0 +1,112 @@
+"""OpenAI request bodies (pydantic), validated strictly: unknown fields are rejected."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvos.engine.sampling_params import SamplingParams
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by both endpoints; ``top_k``, ``min_p``, ``ignore_eos``, ``cache_salt`` and
+    ``priority`` are kvos (and vLLM) extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=16)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop: at most 4 non-empty strings")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty/frequency_penalty: only 0 is supported")
+        return self
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.seed,
+            max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: Literal[False] = False
+
+    @model_validator(mode="after")
+    def _prompts(self):
+        p = self.prompt
+        if isinstance(p, list) and not p:
+            raise ValueError("prompt: must not be empty")
+        if isinstance(p, list) and len(p) > 64 and not isinstance(p[0], int):
+            raise ValueError("prompt: at most 64 prompts per request")
+        return self
+
+    def prompts(self) -> list:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [{"prompt_token_ids": p}]
+        return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def effective_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

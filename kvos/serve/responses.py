@@ -1,0 +1,73 @@
+"""Build OpenAI response bodies and stream chunks from engine outputs."""
+from __future__ import annotations
+
+import json
+import time
+
+from kvos.engine.outputs import CompletionOutput, RequestOutput
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    if c.finish_reason is None:
+        return None
+    return "length" if c.finish_reason == "length" else "stop"
+
+
+def usage(outs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+
+
+class LogprobFormatter:
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+
+    def text(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+    def completion(self, c: CompletionOutput, start: int, offset0: int) -> dict | None:
+        """Legacy completions ``logprobs`` for tokens ``start:`` of ``c``."""
+        if c.logprobs is None:
+            return None
+        tokens, lps, tops, offsets = [], [], [], []
+        offset = offset0
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            s = self.text(tid)
+            tokens.append(s)
+            lps.append(entry[tid])
+            tops.append({self.text(t): lp for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, c: CompletionOutput, start: int, top_n: int) -> dict | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            s = self.text(tid)
+            top = sorted(((t, lp) for t, lp in entry.items()), key=lambda x: -x[1])[:top_n]
+            content.append({"token": s, "logprob": entry[tid], "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": self.text(t), "logprob": lp,
+                                              "bytes": list(self.text(t).encode())} for t, lp in top]})
+        return {"content": content}
+
+
+def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp: LogprobFormatter) -> dict:
+    choices = [{"index": i * n + c.index, "text": c.text, "logprobs": lp.completion(c, 0, 0),
+                "finish_reason": finish_reason(c)} for i, o in enumerate(outs) for c in o.outputs]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(outs)}
+
+
+def chat_body(rid: str, model: str, out: RequestOutput, lp: LogprobFormatter, top_n: int) -> dict:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp.chat(c, 0, top_n), "finish_reason": finish_reason(c)} for c in out.outputs]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage([out])}
