@@ -1,4 +1,4 @@
-# Two set-up commands: `make run` (install + generate on the default model) and `make test`.
+# Two set-up commands: `make run` (install + serve the default model) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -15,8 +15,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-run: install
-	$(BIN)/kvos generate "Explain in two sentences why a paged KV cache saves GPU memory." --stats
+run: install  # serves the default model on 127.0.0.1:8000 and prints how to call it
+	$(BIN)/kvos serve
 
 test: install
 	$(BIN)/pytest -q

@@ -176,6 +176,8 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm, tokenizer):
         eng.add_request({"prompt_token_ids": [1] * eng.max_model_len}, GREEDY)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         eng.add_request({"prompt_token_ids": [10**9]}, GREEDY)
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request("\x13", GREEDY)  # a string that encodes to no tokens
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], GREEDY)
     with pytest.raises(ValueError, match="role"):

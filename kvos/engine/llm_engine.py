@@ -86,7 +86,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string")
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            ids = list(self.tokenizer(prompt).input_ids)
+            if not ids:
+                raise ValueError(f"prompt {prompt[:20]!r} encodes to no tokens")
+            return prompt, ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
