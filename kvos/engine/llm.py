@@ -43,14 +43,14 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         prios = list(priority) if priority is not None else [0] * len(prompts)
-        for p in prompts:
-            self.engine.tokenize_prompt(p)
+        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for sp in params_list:
             sp.validate()
-        ids = []
+        ids: list[str] = []
         try:
-            for p, sp, pr in zip(prompts, params_list, prios):
-                ids.append(self.engine.add_request(p, sp, priority=pr, cache_salt=cache_salt))
+            for (text, token_ids), sp, pr in zip(tokenized, params_list, prios):
+                prompt = {"prompt": text, "prompt_token_ids": token_ids}
+                ids.append(self.engine.add_request(prompt, sp, priority=pr, cache_salt=cache_salt))
         except ValueError:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -53,8 +53,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 class TorchReferenceBackend(AttentionBackend):
     """Gathers each sequence's K/V through its block table and calls SDPA.
 
-    Decodes run as one padded batch with a length mask; each prefill chunk runs alone with a
-    causal mask offset by its cached prefix. The numerical oracle for other backends.
+    Decodes run in padded groups of similar length with a length mask; each prefill chunk runs
+    alone with a causal mask offset by its cached prefix. The numerical oracle for other backends.
     """
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
@@ -71,17 +71,33 @@ class TorchReferenceBackend(AttentionBackend):
             t += n
         return out
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    DECODE_GROUP = 16
+    """Decodes are padded per group of this many sequences of similar length, not to the
+    longest context of the whole batch."""
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = q.shape[0]
-        max_len = max(meta.seq_lens_list[:nd])
-        nb = -(-max_len // meta.block_size)
-        tables = meta.block_tables[:nd, :nb]
+        lens = meta.seq_lens_list[:nd]
+        order = sorted(range(nd), key=lens.__getitem__)
+        out = torch.empty_like(q)
+        for g in range(0, nd, self.DECODE_GROUP):
+            rows = order[g : g + self.DECODE_GROUP]
+            idx = torch.tensor(rows, device=q.device)
+            out[idx] = self._decode_group(q[idx], k_cache, v_cache, meta.block_tables[idx],
+                                          meta.seq_lens[idx], lens[rows[-1]], meta.block_size, scale)
+        return out
+
+    @staticmethod
+    def _decode_group(q, k_cache, v_cache, tables, seq_lens, max_len: int, block_size: int,
+                      scale: float) -> torch.Tensor:
+        n = q.shape[0]
+        nb = -(-max_len // block_size)
+        tables = tables[:, :nb]
         kvh, d = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[tables].view(nd, nb * meta.block_size, kvh, d).transpose(1, 2)
-        values = v_cache[tables].view(nd, nb * meta.block_size, kvh, d).transpose(1, 2)
-        pos = torch.arange(nb * meta.block_size, device=q.device)
-        mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+        keys = k_cache[tables].view(n, nb * block_size, kvh, d).transpose(1, 2)
+        values = v_cache[tables].view(n, nb * block_size, kvh, d).transpose(1, 2)
+        pos = torch.arange(nb * block_size, device=q.device)
+        mask = (pos[None, :] < seq_lens[:, None]).view(n, 1, 1, -1)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)
