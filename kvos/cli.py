@@ -176,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-warmup", action="store_true")
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
+    from kvos.sim import plan_cli
+
+    pl = sub.add_parser("plan", help="capacity planner: KV bytes, pool, concurrency, decode roofline",
+                        epilog=plan_cli.EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan_cli.add_args(pl)
+    pl.set_defaults(fn=plan_cli.run)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("throughput", help="kvos vs HF transformers generate, and prefix-cache TTFT")

@@ -1,0 +1,1 @@
+"""Capacity planning and trace-driven simulation. Pure Python (no torch)."""

@@ -1,0 +1,54 @@
+"""``kvos plan``: how far one GPU (or a TP group) goes for a model."""
+from __future__ import annotations
+
+import argparse
+import json
+
+EXAMPLES = """examples:
+  kvos plan --model llama-3-70b --gpu H100-80G --weight-dtype fp16 --context-len 8192 --num-requests 32
+  kvos plan --model llama-3.1-8b --gpu H100-80G --kv-dtype fp8 --context-len 32768 --json
+  kvos plan --model path/to/config.json --gpu L4 --weight-dtype int4 --tensor-parallel 2
+  kvos plan --model model.gguf --gpu-memory-gib 48 --gpu-bandwidth-tbs 0.96 --gpu-tflops 181
+  kvos plan --model gemma-3-270m --gpu L4 --context-len 8192 --length-dist 256:8192
+"""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name, HF config.json (or its folder), or .gguf file")
+    p.add_argument("--gpu", default="H100-80G", help="A100-80G, H100-80G, H200, L4")
+    p.add_argument("--gpu-memory-gib", type=float, default=None)
+    p.add_argument("--gpu-bandwidth-tbs", type=float, default=None)
+    p.add_argument("--gpu-tflops", type=float, default=None)
+    p.add_argument("--weight-dtype", default="bf16", help="fp32, fp16, bf16, fp8, int8, int4")
+    p.add_argument("--kv-dtype", default="fp16", help="fp16, bf16, fp8, int8")
+    p.add_argument("--context-len", type=int, default=8192, help="tokens per request (prompt, or all)")
+    p.add_argument("--output-len", type=int, default=0, help="output tokens added to --context-len")
+    p.add_argument("--length-dist", default=None, metavar="LO:HI",
+                   help="request lengths uniform in [LO, HI]: paged uses the mean, contiguous the max")
+    p.add_argument("--num-requests", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(a: argparse.Namespace) -> int:
+    from kvos.sim.hardware import resolve_gpu
+    from kvos.sim.planner import PlanInput, format_plan, plan
+    from kvos.sim.shapes import resolve_shape
+
+    context, mean = a.context_len, None
+    if a.length_dist:
+        try:
+            lo, hi = (int(x) for x in a.length_dist.split(":"))
+        except ValueError:
+            raise ValueError(f"length_dist must be LO:HI, got {a.length_dist!r}") from None
+        if not 1 <= lo <= hi:
+            raise ValueError(f"length_dist must satisfy 1 <= LO <= HI, got {a.length_dist!r}")
+        context, mean = hi, (lo + hi) / 2
+    inp = PlanInput(resolve_shape(a.model), resolve_gpu(a.gpu, a.gpu_memory_gib, a.gpu_bandwidth_tbs, a.gpu_tflops),
+                    a.weight_dtype, a.kv_dtype, context, a.output_len, mean, a.num_requests,
+                    a.gpu_memory_utilization, a.block_size, a.tensor_parallel)
+    result = plan(inp)
+    print(json.dumps(result, indent=2) if a.json else format_plan(result))
+    return 0

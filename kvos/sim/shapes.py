@@ -1,0 +1,125 @@
+"""Model shapes for planning: presets, HF config.json and GGUF metadata (no weights loaded)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory math needs of a decoder. ``sliding_layers`` of the ``num_layers`` attend to at
+    most ``sliding_window`` tokens; the rest attend to everything."""
+
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    sliding_layers: int = 0
+    num_params: int | None = None
+
+    @property
+    def full_layers(self) -> int:
+        return self.num_layers - self.sliding_layers
+
+    @property
+    def params(self) -> int:
+        """Parameter count (given, or from the dense llama-style layout)."""
+        if self.num_params is not None:
+            return self.num_params
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return embed + self.num_layers * per_layer + h
+
+
+PRESETS: dict[str, ModelShape] = {s.name: s for s in [
+    ModelShape("llama-3-70b", 80, 64, 8, 128, 8192, 28672, 128256),
+    ModelShape("llama-3.1-8b", 32, 32, 8, 128, 4096, 14336, 128256),
+    ModelShape("llama-3.2-1b", 16, 32, 8, 64, 2048, 8192, 128256, tie_embeddings=True),
+    ModelShape("mistral-7b", 32, 32, 8, 128, 4096, 14336, 32768),
+    ModelShape("qwen2.5-7b", 28, 28, 4, 128, 3584, 18944, 152064),
+    ModelShape("qwen3-8b", 36, 32, 8, 128, 4096, 12288, 151936),
+    ModelShape("smollm2-135m", 30, 9, 3, 64, 576, 1536, 49152, tie_embeddings=True),
+    ModelShape("gemma-3-270m", 18, 4, 1, 256, 640, 2048, 262144, tie_embeddings=True,
+               sliding_window=512, sliding_layers=15),
+    ModelShape("gemma-3-27b", 62, 32, 16, 128, 5376, 21504, 262208, tie_embeddings=True,
+               sliding_window=1024, sliding_layers=52),
+]}
+
+
+def shape_from_hf_config(cfg: dict, name: str = "") -> ModelShape:
+    text = cfg.get("text_config", cfg)
+    heads = text["num_attention_heads"]
+    layers = text["num_hidden_layers"]
+    window = text.get("sliding_window") if text.get("use_sliding_window", True) else None
+    sliding = 0
+    if window:
+        types = text.get("layer_types")
+        if types:
+            sliding = sum(1 for t in types if t == "sliding_attention")
+        elif text.get("sliding_window_pattern"):
+            p = text["sliding_window_pattern"]
+            sliding = layers - layers // p
+        else:
+            sliding = layers  # Mistral-style: every layer slides
+    return ModelShape(
+        name=name or text.get("model_type", "model"), num_layers=layers, num_heads=heads,
+        num_kv_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text.get("head_dim") or text["hidden_size"] // heads, hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"], vocab_size=text["vocab_size"],
+        tie_embeddings=cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+        sliding_window=window if sliding else None, sliding_layers=sliding)
+
+
+def shape_from_gguf(path: Path) -> ModelShape:
+    from gguf import GGUFReader
+
+    try:
+        r = GGUFReader(str(path))
+    except Exception as e:
+        raise ValueError(f"model: {path} is not a valid GGUF file ({e})") from e
+
+    def f(key, default=None):
+        field = r.fields.get(key)
+        return default if field is None else field.contents()
+
+    a = f("general.architecture")
+    heads = int(f(f"{a}.attention.head_count"))
+    hidden = int(f(f"{a}.embedding_length"))
+    layers = int(f(f"{a}.block_count"))
+    window = f(f"{a}.attention.sliding_window")
+    sliding = 0
+    if window and a.startswith("gemma"):
+        sliding = layers - layers // 6  # Gemma 2/3: five sliding layers to one global
+    names = {t.name for t in r.tensors}
+    return ModelShape(
+        name=path.name, num_layers=layers, num_heads=heads,
+        num_kv_heads=int(f(f"{a}.attention.head_count_kv", heads)),
+        head_dim=int(f(f"{a}.attention.key_length", hidden // heads)), hidden_size=hidden,
+        intermediate_size=int(f(f"{a}.feed_forward_length")),
+        vocab_size=int(f(f"{a}.vocab_size", 0)) or int(next(t.shape[-1] for t in r.tensors
+                                                            if t.name == "token_embd.weight")),
+        tie_embeddings="output.weight" not in names, sliding_window=int(window) if sliding else None,
+        sliding_layers=sliding, num_params=int(sum(int(t.n_elements) for t in r.tensors)))
+
+
+def resolve_shape(model: str) -> ModelShape:
+    """A preset name, a config.json (or a folder holding one), or a .gguf file."""
+    if model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".gguf" and path.exists():
+        return shape_from_gguf(path)
+    if path.exists():
+        return shape_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+    raise ValueError(f"model: {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                     f"config.json / .gguf path")
