@@ -182,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                         epilog=plan_cli.EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan_cli.add_args(pl)
     pl.set_defaults(fn=plan_cli.run)
+    from kvos.sim import sim_cli
+
+    sm = sub.add_parser("simulate", help="replay a trace through the real scheduler and KV memory system",
+                        epilog=sim_cli.EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim_cli.add_args(sm)
+    sm.set_defaults(fn=sim_cli.run)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("throughput", help="kvos vs HF transformers generate, and prefix-cache TTFT")

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvos.cache import FullAttentionSpec, KVCacheManager
+from kvos.cache.eviction import make_policy
 
 
 @dataclass(eq=False)
@@ -34,10 +35,13 @@ salts = st.sampled_from([None, "tenant-a", "tenant-b"])
 
 
 class KVMachine(RuleBasedStateMachine):
-    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 40))
-    def setup(self, block_size: int, num_blocks: int) -> None:
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 40),
+                policy=st.sampled_from(["lru", "fifo", "lfu"]))
+    def setup(self, block_size: int, num_blocks: int, policy: str) -> None:
         self.bs = block_size
-        self.kv = KVCacheManager(FullAttentionSpec(block_size, 1, 1, 1), num_blocks, model_id="m")
+        self.policy = policy
+        self.kv = KVCacheManager(FullAttentionSpec(block_size, 1, 1, 1), num_blocks, model_id="m",
+                                 policy=make_policy(policy))
         self.memory: dict[int, dict[int, tuple]] = {}
         self.active: list[Seq] = []
         self.n = 0
@@ -123,7 +127,7 @@ class KVMachine(RuleBasedStateMachine):
         assert u.used == len(refs)
         for block in self.kv.pool.blocks[1:]:
             assert block.ref_cnt == refs.get(block.block_id, 0), block
-            assert (block.prev_free is not None) == (block.ref_cnt == 0)
+            assert self.kv.pool.is_free(block) == (block.ref_cnt == 0)
 
     @invariant()
     def content_and_isolation(self) -> None:
@@ -141,7 +145,9 @@ class KVMachine(RuleBasedStateMachine):
         if not hasattr(self, "kv"):
             return
         seen: set[bytes] = set()
-        for block in self.kv.pool.free_queue:
+        if self.policy != "lru":
+            return
+        for block in self.kv.pool.evictor:
             if block.block_hash is not None:
                 assert block.parent_hash not in seen, "a parent is queued for eviction before its child"
                 seen.add(block.block_hash)

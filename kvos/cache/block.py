@@ -28,6 +28,9 @@ class KVBlock:
     block_hash: BlockHash | None = None
     parent_hash: BlockHash | None = None
     is_null: bool = False
+    cached_at: int = 0  # logical time the content was registered (FIFO)
+    last_used: int = 0  # logical time of the last free or hit (LRU tie-breaks, LFU)
+    num_hits: int = 0  # prefix hits since cached (LFU)
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
+from kvos.cache.eviction import EvictionPolicy, LRUPolicy
 from kvos.cache.prefix_index import PrefixIndex
 from kvos.cache.stats import CacheCounters, CacheUsage
 
@@ -11,9 +12,9 @@ from kvos.cache.stats import CacheCounters, CacheUsage
 class BlockPool:
     """Owns ``num_blocks`` blocks; block 0 is the null block (padding for block tables).
 
-    Eviction order: unreferenced blocks with no cached content are reused first; cached
-    unreferenced blocks are evicted least recently freed first. Callers free a request's blocks
-    tail first, so a chain's tail is always queued before its parent and evicted first.
+    Unreferenced blocks with no cached content (``plain_free``) are reused first; unreferenced
+    cached blocks wait in the eviction policy (LRU by default) until evicted. Callers free a
+    request's blocks tail first, so under LRU a chain's tail is evicted before its parent.
 
     Safety rules:
     - ``get_new_blocks`` only ever hands out blocks with ``ref_cnt == 0``: a referenced block is
@@ -23,7 +24,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 index: PrefixIndex | None = None, counters: CacheCounters | None = None) -> None:
+                 index: PrefixIndex | None = None, counters: CacheCounters | None = None,
+                 policy: EvictionPolicy | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -32,10 +34,11 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.null_block.ref_cnt = 1
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.plain_free = FreeBlockQueue(self.blocks[1:])
+        self.evictor = policy if policy is not None else LRUPolicy()
         self.index = index if index is not None else PrefixIndex()
         self.counters = counters if counters is not None else CacheCounters()
-        self._num_cached_free = 0
+        self._tick = 0
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -44,12 +47,15 @@ class BlockPool:
 
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (plain free plus evictable cached)."""
-        return len(self.free_queue)
+        return len(self.plain_free) + len(self.evictor)
+
+    def is_free(self, block: KVBlock) -> bool:
+        return block.prev_free is not None or block in self.evictor
 
     def usage(self) -> CacheUsage:
-        free_total = len(self.free_queue)
-        return CacheUsage(total=self.num_usable_blocks, free=free_total - self._num_cached_free,
-                          cached=self._num_cached_free, used=self.num_usable_blocks - free_total)
+        free, cached = len(self.plain_free), len(self.evictor)
+        return CacheUsage(total=self.num_usable_blocks, free=free, cached=cached,
+                          used=self.num_usable_blocks - free - cached)
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.index.get(block_hash) if self.enable_caching else None
@@ -57,13 +63,14 @@ class BlockPool:
     # -- allocation ----------------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks off the free queue (evicting cached content), each with ref 1."""
-        if n > len(self.free_queue):
-            raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        if n > self.num_free_blocks():
+            raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks()} free")
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                self._num_cached_free -= 1
+            if len(self.plain_free):
+                block = self.plain_free.popleft()
+            else:
+                block = self.evictor.pop()
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -73,15 +80,22 @@ class BlockPool:
         assert block.ref_cnt == 0 and block.block_hash is not None
         self.index.remove(block.block_hash)
         block.block_hash = block.parent_hash = None
+        block.num_hits = 0
         self.counters.evictions += 1
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on each block (prefix hit or fork), reviving it from the free queue."""
+    def touch(self, blocks: Iterable[KVBlock], hit: bool = False) -> None:
+        """Take a reference on each block (``hit``: a prefix-cache hit; else a fork), reviving
+        unreferenced ones from the free lists."""
+        self._tick += 1
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
-                self.free_queue.remove(block)
                 if block.block_hash is not None:
-                    self._num_cached_free -= 1
+                    self.evictor.remove(block)
+                else:
+                    self.plain_free.remove(block)
+            if hit:
+                block.num_hits += 1
+                block.last_used = self._tick
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
@@ -97,10 +111,11 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
-                    self.free_queue.append(block)
-                    self._num_cached_free += 1
+                    self._tick += 1
+                    block.last_used = self._tick
+                    self.evictor.add(block)
                 else:
-                    self.free_queue.appendleft(block)
+                    self.plain_free.appendleft(block)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash) -> None:
         """Register a referenced, full block under its chained hash (no-op if caching is off,
@@ -108,17 +123,17 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None or block.is_null:
             return
         if self.index.insert(block_hash, block):
+            self._tick += 1
             block.block_hash = block_hash
             block.parent_hash = parent_hash
+            block.cached_at = self._tick
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block's content; returns how many were dropped."""
         dropped = 0
-        for block in list(self.free_queue):
-            if block.block_hash is not None:
-                self.free_queue.remove(block)
-                self._num_cached_free -= 1
-                self._evict(block)
-                self.free_queue.appendleft(block)
-                dropped += 1
+        while len(self.evictor):
+            block = self.evictor.pop()
+            self._evict(block)
+            self.plain_free.append(block)
+            dropped += 1
         return dropped

@@ -59,6 +59,13 @@ class FullAttentionManager:
         revived = sum(1 for b in new_computed if b.ref_cnt == 0)
         return new + revived + (1 if self._needs_copy(seq, table) else 0)
 
+    def fits(self, seq: CacheableSequence, num_tokens: int) -> bool:
+        """True when ``seq``'s table already holds ``num_tokens`` and no write needs a copy."""
+        table = self.tables.get(seq.request_id)
+        if table is None or cdiv(num_tokens, self.block_size) > len(table):
+            return False
+        return not self._needs_copy(seq, table)
+
     def _needs_copy(self, seq: CacheableSequence, table: list[KVBlock]) -> bool:
         pos = seq.num_computed_tokens
         if pos % self.block_size == 0 or pos // self.block_size >= len(table):
@@ -70,7 +77,7 @@ class FullAttentionManager:
         ``num_blocks_needed`` against the pool's free blocks."""
         table = self.tables.setdefault(seq.request_id, [])
         if new_computed:
-            self.pool.touch(new_computed)
+            self.pool.touch(new_computed, hit=True)
             table.extend(new_computed)
         if self._needs_copy(seq, table):
             i = seq.num_computed_tokens // self.block_size

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kvos.cache.block import KVBlock
 from kvos.cache.block_pool import BlockPool
+from kvos.cache.eviction import EvictionPolicy
 from kvos.cache.full_attention import FullAttentionManager
 from kvos.cache.sequence import CacheableSequence
 from kvos.cache.spec import FullAttentionSpec
@@ -23,9 +24,9 @@ class KVCacheManager:
     """
 
     def __init__(self, spec: FullAttentionSpec, num_blocks: int, model_id: str = "",
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, policy: EvictionPolicy | None = None) -> None:
         self.counters = CacheCounters()
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, counters=self.counters)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, counters=self.counters, policy=policy)
         self.group = FullAttentionManager(spec, self.pool, model_id)
         self.spec = spec
 
@@ -54,6 +55,8 @@ class KVCacheManager:
         ``num_computed_tokens`` after this returns True)."""
         new_computed = new_computed_blocks or []
         total = seq.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
+        if not new_computed and self.group.fits(seq, total):
+            return True  # decode fast path: the last block has room and is not shared
         if self.group.num_blocks_needed(seq, total, new_computed) > self.pool.num_free_blocks():
             return False
         self.group.allocate(seq, total, new_computed)
@@ -71,6 +74,10 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.group.block_ids(request_id)
+
+    def block_table(self, request_id: str) -> list[KVBlock]:
+        """The live table: only valid until the sequence is next allocated, forked or freed."""
+        return self.group.tables.get(request_id, [])
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.group.pending_copies = self.group.pending_copies, []

@@ -80,6 +80,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}
         self._ids = itertools.count()
+        self.schedule_hook = None
+        """Called with each step's SchedulerOutput before it runs (tests compare the simulator)."""
 
     # -- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -155,6 +157,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and post-process one step; returns outputs of requests that changed."""
         out = self.scheduler.schedule()
+        if self.schedule_hook is not None:
+            self.schedule_hook(out)
         sampled = self.runner.execute(out)
         got = self.scheduler.update_from_output(out, {r: s.token_id for r, s in sampled.items()})
         now = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from kvos.cache.block import KVBlock
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.engine.request import Request, RequestStatus
 
@@ -12,15 +13,15 @@ from kvos.engine.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    policy: str = "fcfs"  # or "priority": lower ``priority`` value is served first
+    policy: str = "fcfs"  # "priority": lower ``priority`` value first; "lpm": longest cached prefix first
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "lpm"):
+            raise ValueError(f"policy must be 'fcfs', 'priority' or 'lpm', got {self.policy!r}")
 
 
 @dataclass
@@ -34,8 +35,12 @@ class ScheduledSeq:
     request: Request
     start: int
     num_new_tokens: int
-    block_ids: list[int]
+    table: list[KVBlock]  # live block table: read it before the next schedule()
     samplers: list[Request] = field(default_factory=list)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.table]
 
     @property
     def token_ids(self) -> list[int]:
@@ -136,6 +141,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
+                if len(self.running) == 1:  # alone and still too big: the pool can never hold it
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                    break
                 victim = max(self.running, key=self._key)
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id).num_new_tokens
@@ -150,6 +158,8 @@ class Scheduler:
             i += 1
 
         if not preempted:
+            if self.config.policy == "lpm":
+                self._order_by_prefix_match()
             while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 _, req = self._waiting[0]
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
@@ -177,10 +187,26 @@ class Scheduler:
         return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
                                finished_ids=finished)
 
+    LPM_WINDOW = 256
+
+    def _order_by_prefix_match(self) -> None:
+        """Longest-prefix-match first (SGLang's cache-aware order), among the oldest
+        ``LPM_WINDOW`` waiting requests; ties and the rest stay first come, first served."""
+        if len(self._waiting) < 2:
+            return
+        entries = sorted(self._waiting, key=lambda e: e[0][1:])
+        head, tail = entries[: self.LPM_WINDOW], entries[self.LPM_WINDOW:]
+        cap = self.kv.block_size
+        keyed = [((-len(self.kv.group.find_longest_hit(r, r.num_tokens - 1)) * cap, r.arrival, r.sample_index), r)
+                 for _, r in head]
+        keyed += [((0, r.arrival, r.sample_index), r) for _, r in tail]
+        heapq.heapify(keyed)
+        self._waiting = keyed
+
     def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         samples = start + num_new == req.num_tokens
-        return ScheduledSeq(req, start, num_new, self.kv.block_ids(req.request_id),
+        return ScheduledSeq(req, start, num_new, self.kv.block_table(req.request_id),
                             [req] if samples else [])
 
     def _fork_if_needed(self, s: ScheduledSeq) -> None:

@@ -1,0 +1,164 @@
+"""Eviction policies: which unreferenced cached block gives up its content first.
+
+A policy holds exactly the blocks with ``ref_cnt == 0`` and cached content (plain free blocks
+are the pool's business). Safety rule: ``add`` only blocks whose reference count just reached 0;
+``remove`` a block before taking a reference on it; ``pop`` hands out a block the pool will
+evict at once.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+
+from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
+
+
+class EvictionPolicy(ABC):
+    name = "base"
+
+    def __init__(self) -> None:
+        self.clock = 0  # advanced by the pool on every add/hit: a logical time for recency
+
+    @abstractmethod
+    def add(self, block: KVBlock) -> None: ...
+
+    @abstractmethod
+    def remove(self, block: KVBlock) -> None: ...
+
+    @abstractmethod
+    def pop(self) -> KVBlock: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[KVBlock]: ...
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return any(b is block for b in self)
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently freed first, in O(1) via the intrusive queue. Callers free a chain tail
+    first, so a block is never evicted before the blocks that extend it."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue = FreeBlockQueue([])
+
+    def add(self, block: KVBlock) -> None:
+        self._queue.append(block)
+
+    def remove(self, block: KVBlock) -> None:
+        self._queue.remove(block)
+
+    def pop(self) -> KVBlock:
+        return self._queue.popleft()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return iter(self._queue)
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.prev_free is not None
+
+
+class _HeapPolicy(EvictionPolicy):
+    """A min-heap on ``key(block)`` with lazy deletion (a version per queued block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap: list = []
+        self._version: dict[int, int] = {}
+        self._blocks: dict[int, KVBlock] = {}
+        self._ids = itertools.count()
+
+    def key(self, block: KVBlock):
+        raise NotImplementedError
+
+    def add(self, block: KVBlock) -> None:
+        v = next(self._ids)
+        self._version[block.block_id] = v
+        self._blocks[block.block_id] = block
+        heapq.heappush(self._heap, (self.key(block), v, block.block_id))
+
+    def update(self, block: KVBlock) -> None:
+        """Re-key a queued block whose key changed (no-op if it is not queued)."""
+        if block.block_id in self._version:
+            self.add(block)
+
+    def remove(self, block: KVBlock) -> None:
+        self._version.pop(block.block_id)
+        del self._blocks[block.block_id]
+
+    def pop(self) -> KVBlock:
+        while self._heap:
+            _, v, bid = heapq.heappop(self._heap)
+            if self._version.get(bid) == v:
+                del self._version[bid]
+                return self._blocks.pop(bid)
+        raise IndexError("no evictable blocks")
+
+    def __len__(self) -> int:
+        return len(self._version)
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return iter(list(self._blocks.values()))
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.block_id in self._version
+
+
+class FIFOPolicy(_HeapPolicy):
+    """Oldest content first (by when the block was cached), whatever its later use."""
+
+    name = "fifo"
+
+    def key(self, block: KVBlock):
+        return block.cached_at
+
+
+class LFUPolicy(_HeapPolicy):
+    """Fewest prefix hits first; ties broken least recently used first."""
+
+    name = "lfu"
+
+    def key(self, block: KVBlock):
+        return (block.num_hits, block.last_used)
+
+
+class BeladyPolicy(_HeapPolicy):
+    """Offline optimum (upper bound): evict the block whose next use is farthest in the future.
+
+    ``next_use(hash)`` comes from an oracle that knows the whole trace (the simulator); whoever
+    advances the oracle must call ``update`` for queued blocks whose next use changed.
+    """
+
+    name = "belady"
+
+    def __init__(self, next_use: Callable[[BlockHash], float]) -> None:
+        super().__init__()
+        self.next_use = next_use
+
+    def key(self, block: KVBlock):
+        assert block.block_hash is not None
+        return (-self.next_use(block.block_hash), -block.last_used)
+
+
+POLICIES = {"lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy}
+
+
+def make_policy(name: str, next_use: Callable[[BlockHash], float] | None = None) -> EvictionPolicy:
+    if name == "belady":
+        if next_use is None:
+            raise ValueError("eviction_policy 'belady' needs a next-use oracle (simulator only)")
+        return BeladyPolicy(next_use)
+    if name not in POLICIES:
+        raise ValueError(f"eviction_policy must be one of {sorted([*POLICIES, 'belady'])}, got {name!r}")
+    return POLICIES[name]()

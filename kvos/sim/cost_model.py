@@ -1,0 +1,68 @@
+"""Step time of a scheduled batch from a roofline-style cost model (pure Python)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvos.sim.hardware import GPU, KV_BYTES, WEIGHT_BYTES
+from kvos.sim.shapes import ModelShape
+
+
+@dataclass
+class CostModel:
+    """``time = overhead + max((weights + KV read) / bandwidth, FLOPs / peak)``, each term scaled
+    by a calibration factor (1.0 = the hardware's datasheet figures).
+
+    FLOPs: 2 × params per computed token plus attention (4 × layers × heads × head_dim per
+    query-key pair). KV read: every scheduled sequence reads its whole context once per step.
+    """
+
+    weight_bytes: float
+    kv_bytes_per_token: float
+    params: float
+    attn_flops_per_pair: float
+    bandwidth: float
+    flops: float
+    overhead_s: float = 0.0005
+    mem_scale: float = 1.0
+    compute_scale: float = 1.0
+
+    @classmethod
+    def for_model(cls, shape: ModelShape, gpu: GPU, weight_dtype: str = "bf16", kv_dtype: str = "fp16",
+                  tp: int = 1) -> CostModel:
+        per_token = 2 * max(1, shape.num_kv_heads // tp) * shape.head_dim * KV_BYTES[kv_dtype] * shape.num_layers
+        return cls(weight_bytes=shape.params * WEIGHT_BYTES[weight_dtype] / tp, kv_bytes_per_token=per_token,
+                   params=shape.params / tp,
+                   attn_flops_per_pair=4 * shape.num_layers * shape.num_heads * shape.head_dim / tp,
+                   bandwidth=gpu.bandwidth, flops=gpu.flops)
+
+    def step_time(self, num_tokens: int, context_tokens: int, attn_pairs: int) -> float:
+        mem = (self.weight_bytes + context_tokens * self.kv_bytes_per_token) / self.bandwidth
+        comp = (2 * self.params * num_tokens + self.attn_flops_per_pair * attn_pairs) / self.flops
+        return self.overhead_s + max(mem * self.mem_scale, comp * self.compute_scale)
+
+    def calibrate(self, path: str | Path) -> None:
+        """Fit overhead and the two scale factors to measured steps.
+
+        JSON: ``{"steps": [{"num_tokens", "context_tokens", "attn_pairs", "seconds"}, ...]}``.
+        Memory-bound steps set ``mem_scale``, compute-bound ones ``compute_scale`` (median
+        ratios); the overhead is the smallest residual.
+        """
+        steps = json.loads(Path(path).read_text())["steps"]
+        if not steps:
+            raise ValueError("calibration: no steps")
+        mem_r, comp_r = [], []
+        for s in steps:
+            mem = (self.weight_bytes + s["context_tokens"] * self.kv_bytes_per_token) / self.bandwidth
+            comp = (2 * self.params * s["num_tokens"] + self.attn_flops_per_pair * s.get("attn_pairs", 0)) / self.flops
+            (mem_r if mem >= comp else comp_r).append((s["seconds"], mem if mem >= comp else comp))
+        overhead = min(sec - model for sec, model in mem_r + comp_r)
+        self.overhead_s = max(0.0, overhead)
+
+        def median_ratio(pairs):
+            ratios = sorted((sec - self.overhead_s) / model for sec, model in pairs if model > 0)
+            return ratios[len(ratios) // 2] if ratios else 1.0
+
+        self.mem_scale = median_ratio(mem_r)
+        self.compute_scale = median_ratio(comp_r) if comp_r else self.mem_scale

@@ -1,0 +1,180 @@
+"""``kvos simulate``: replay a trace through the real scheduler and KV memory system."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+EXAMPLES = """examples:
+  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks unlimited --json
+  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 2000 --eviction-policy belady
+  kvos simulate --synthetic --num-requests 500 --rate 8 --system-prompt-len 1000 --num-system-prompts 4 \\
+                --cache-gb 10 --scheduling-policy lpm
+  kvos simulate --synthetic --turns 4 --allocator contiguous --max-model-len 4096
+  kvos simulate --trace conversation_trace.jsonl --block-size 512 --limit 3000 \\
+                --sweep cache-size --sweep-policies lru fifo lfu belady --plot-dir plots/
+"""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default=None, help="Mooncake JSONL, or a JSON list of {input_length, output_length}")
+    w.add_argument("--synthetic", action="store_true", help="generate a workload instead of reading one")
+    w.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    w.add_argument("--num-requests", type=int, default=200)
+    w.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (synthetic, lengths JSON)")
+    w.add_argument("--input-len", default="64:1024", metavar="LO:HI")
+    w.add_argument("--output-len", default="16:256", metavar="LO:HI")
+    w.add_argument("--system-prompt-len", type=int, default=0)
+    w.add_argument("--num-system-prompts", type=int, default=1)
+    w.add_argument("--turns", type=int, default=1, help="turns per multi-turn session")
+    w.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = half the rate)")
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("cost model")
+    m.add_argument("--model", default="llama-3.1-8b", help="preset, config.json or .gguf (sets the cost model)")
+    m.add_argument("--gpu", default="H100-80G")
+    m.add_argument("--weight-dtype", default="bf16")
+    m.add_argument("--kv-dtype", default="fp16")
+    m.add_argument("--tensor-parallel", type=int, default=1)
+    m.add_argument("--calibration", default=None, help="JSON of measured steps to fit the cost model to")
+    c = p.add_argument_group("cache and scheduler")
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--cache-blocks", default="unlimited", help="pool size in blocks, or 'unlimited'")
+    c.add_argument("--cache-tokens", type=int, default=None, help="pool size in tokens")
+    c.add_argument("--cache-gb", type=float, default=None, help="pool size in GiB of KV for --model")
+    c.add_argument("--eviction-policy", default="lru", choices=["lru", "fifo", "lfu", "belady"])
+    c.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm", "priority"])
+    c.add_argument("--allocator", default="paged", choices=["paged", "contiguous"])
+    c.add_argument("--max-model-len", type=int, default=None, help="contiguous reservation per request")
+    c.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    c.add_argument("--max-num-seqs", type=int, default=256)
+    c.add_argument("--no-prefix-caching", action="store_true")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the report as JSON")
+    o.add_argument("--output", default=None, help="also save the JSON report here")
+    o.add_argument("--sweep", choices=["cache-size"], default=None)
+    o.add_argument("--sweep-sizes", type=int, nargs="+", default=None, help="pool sizes in blocks")
+    o.add_argument("--sweep-policies", nargs="+", default=["lru", "belady"])
+    o.add_argument("--plot-dir", default="plots")
+    o.add_argument("--progress", action="store_true")
+
+
+def _range(text: str, name: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{name} must be LO:HI, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{name} must satisfy 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def load_workload(a: argparse.Namespace):
+    from kvos.sim import traces
+
+    if a.synthetic == bool(a.trace):
+        raise ValueError("trace: give exactly one of --trace FILE or --synthetic")
+    if a.synthetic:
+        return traces.synthetic(a.num_requests, a.rate, _range(a.input_len, "input_len"),
+                                _range(a.output_len, "output_len"), a.system_prompt_len, a.num_system_prompts,
+                                a.turns, a.seed)
+    path = Path(a.trace)
+    if not path.exists():
+        raise ValueError(f"trace: {a.trace!r} does not exist")
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        return traces.load_mooncake(path, a.limit)
+    reqs = traces.load_lengths_json(path, a.rate, a.seed)
+    return reqs[: a.limit] if a.limit else reqs
+
+
+def build(a: argparse.Namespace):
+    from kvos.sim.cost_model import CostModel
+    from kvos.sim.hardware import KV_BYTES, resolve_gpu
+    from kvos.sim.shapes import resolve_shape
+    from kvos.sim.simulator import SimConfig
+
+    shape = resolve_shape(a.model)
+    cost = CostModel.for_model(shape, resolve_gpu(a.gpu), a.weight_dtype, a.kv_dtype, a.tensor_parallel)
+    if a.calibration:
+        cost.calibrate(a.calibration)
+    if a.cache_gb is not None:
+        per_token = 2 * shape.num_kv_heads * shape.head_dim * KV_BYTES[a.kv_dtype] * shape.num_layers
+        blocks = int(a.cache_gb * (1 << 30) // (per_token * a.block_size))
+    elif a.cache_tokens is not None:
+        blocks = a.cache_tokens // a.block_size
+    elif str(a.cache_blocks) == "unlimited":
+        blocks = None
+    else:
+        try:
+            blocks = int(a.cache_blocks)
+        except ValueError:
+            raise ValueError(f"cache_blocks must be a number or 'unlimited', got {a.cache_blocks!r}") from None
+    if blocks is not None and blocks < 2:
+        raise ValueError(f"cache_blocks must be at least 2, got {blocks}")
+    cfg = SimConfig(a.block_size, blocks, a.eviction_policy, a.scheduling_policy, a.allocator,
+                    a.max_num_batched_tokens, a.max_num_seqs, a.max_model_len, a.time_scale,
+                    not a.no_prefix_caching)
+    return cfg, cost
+
+
+def format_report(r: dict) -> str:
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:,.1f} ms"
+
+    rows = [("requests", f"{r['num_requests']:,}"),
+            ("cache", f"{r['num_blocks']} blocks x {r['block_size']} tokens, {r['allocator']}, "
+                      f"evict {r['eviction_policy']}, schedule {r['scheduling_policy']}"),
+            ("hit rate", f"blocks {r['block_hit_rate']:.2%}, tokens {r['token_hit_rate']:.2%}"),
+            ("TTFT", f"p50 {ms(r['ttft_p50_s'])}, p90 {ms(r['ttft_p90_s'])}, p99 {ms(r['ttft_p99_s'])}"),
+            ("TPOT", f"p50 {ms(r['tpot_p50_s'])}, p90 {ms(r['tpot_p90_s'])}"),
+            ("e2e", f"p50 {ms(r['e2e_p50_s'])}, p90 {ms(r['e2e_p90_s'])}"),
+            ("throughput", f"{r['throughput_tok_s']:,.0f} output tok/s, {r['total_tok_s']:,.0f} total tok/s"),
+            ("KV utilisation", f"{r['kv_utilization']:.1%} of reserved slots hold tokens"),
+            ("events", f"preemptions {r['preemptions']:,}, evictions {r['evictions']:,}, "
+                       f"recomputed tokens {r['recomputed_tokens']:,}"),
+            ("simulated", f"{r['makespan_s']:,.1f} s in {r['steps']:,} steps; wall {r['sim_wall_s']:.1f} s")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def sweep(a: argparse.Namespace, trace, base_cfg, cost) -> dict:
+    import dataclasses
+
+    from kvos.sim.plots import plot_hit_rate_vs_size, plot_ttft_cdf
+    from kvos.sim.simulator import Simulator
+
+    sizes = a.sweep_sizes or [2 ** k for k in range(6, 14)]
+    results: dict[str, list[dict]] = {}
+    for policy in a.sweep_policies:
+        for size in sizes:
+            cfg = dataclasses.replace(base_cfg, num_blocks=size, eviction_policy=policy)
+            r = Simulator(trace, cfg, cost).run(progress=a.progress)
+            results.setdefault(policy, []).append(r)
+            print(f"{policy:>7} {size:>7} blocks: block hit {r['block_hit_rate']:.2%}, "
+                  f"token hit {r['token_hit_rate']:.2%}, TTFT p50 {r['ttft_p50_s'] * 1e3:,.1f} ms", flush=True)
+    out = Path(a.plot_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hit_png = plot_hit_rate_vs_size(results, sizes, base_cfg.block_size, out / "hit_rate_vs_cache_size.png")
+    cdf_png = plot_ttft_cdf(results, out / "ttft_cdf.png")
+    summary = {p: [{k: v for k, v in r.items() if k != "ttft_s"} for r in rs] for p, rs in results.items()}
+    return {"sweep": "cache-size", "sizes_blocks": sizes, "results": summary,
+            "plots": [str(hit_png), str(cdf_png)]}
+
+
+def run(a: argparse.Namespace) -> int:
+    from kvos.sim.simulator import Simulator
+
+    trace = load_workload(a)
+    cfg, cost = build(a)
+    if a.sweep:
+        report = sweep(a, trace, cfg, cost)
+        if a.json:
+            print(json.dumps(report, indent=2))
+    else:
+        report = Simulator(trace, cfg, cost).run(progress=a.progress)
+        report.pop("ttft_s")
+        print(json.dumps(report, indent=2) if a.json else format_report(report))
+    if a.output:
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.output).write_text(json.dumps(report, indent=2))
+    return 0

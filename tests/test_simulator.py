@@ -1,0 +1,138 @@
+"""The simulator replays traces through the engine's own scheduler and KV memory system."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvos import SamplingParams
+from kvos.sim.cost_model import CostModel
+from kvos.sim.hardware import GPUS
+from kvos.sim.shapes import PRESETS
+from kvos.sim.simulator import SimConfig, Simulator
+from kvos.sim.traces import TraceRequest, load_mooncake, synthetic
+
+DATA = Path(__file__).parent / "data"
+COST = CostModel.for_model(PRESETS["llama-3.1-8b"], GPUS["H100-80G"])
+
+
+def simulate(trace, **kw) -> dict:
+    return Simulator(trace, SimConfig(**kw), COST).run()
+
+
+@pytest.fixture(scope="module")
+def conversation():
+    return load_mooncake(DATA / "mooncake_conversation.jsonl.gz")
+
+
+@pytest.mark.parametrize("name, block_rate, token_rate", [
+    ("synthetic", 0.6396, 0.651),
+    ("conversation", 0.3664, 0.374),
+])
+def test_mooncake_unbounded_hit_rates(name, block_rate, token_rate, conversation):
+    trace = conversation if name == "conversation" else load_mooncake(DATA / f"mooncake_{name}.jsonl.gz")
+    r = simulate(trace, block_size=512)
+    assert r["num_requests"] == len(trace)
+    assert round(r["block_hit_rate"], 4) == block_rate
+    # kvos caches only full blocks, so hits on trailing partial blocks (<0.1 pp) are not counted
+    assert abs(r["token_hit_rate"] - token_rate) < 0.001
+    assert r["evictions"] == 0 and r["preemptions"] == 0
+
+
+def test_lru_below_belady_and_both_rise_with_size(conversation):
+    trace = conversation[:1500]
+    rates = {p: [simulate(trace, block_size=512, num_blocks=n, eviction_policy=p, max_num_seqs=64)["token_hit_rate"]
+                 for n in (2000, 4000, 8000)] for p in ("lru", "belady")}
+    for p, rs in rates.items():
+        assert rs == sorted(rs) and rs[0] < rs[-1], (p, rs)
+    for lru, belady in zip(rates["lru"], rates["belady"]):
+        assert lru < belady
+
+
+def test_other_policies_run_and_account(conversation):
+    for policy in ("fifo", "lfu"):
+        r = simulate(conversation[:800], block_size=512, num_blocks=500, eviction_policy=policy)
+        assert r["evictions"] > 0 and 0 < r["token_hit_rate"] < 0.5
+
+
+def test_paged_utilisation_high_contiguous_like_early_systems():
+    trace = synthetic(300, rate=6, input_len=(16, 1024), output_len=(16, 512), seed=1)
+    paged = simulate(trace, block_size=16)
+    contiguous = simulate(trace, block_size=16, allocator="contiguous", max_model_len=2048)
+    assert paged["kv_utilization"] >= 0.96
+    assert 0.20 <= contiguous["kv_utilization"] <= 0.40
+    assert contiguous["token_hit_rate"] == 0.0
+
+
+def test_lpm_scheduling_and_shared_system_prompts():
+    trace = synthetic(200, rate=50, input_len=(32, 256), output_len=(8, 32), system_prompt_len=512,
+                      num_system_prompts=4, seed=2)
+    fcfs = simulate(trace, block_size=16, num_blocks=600, max_num_seqs=8)
+    lpm = simulate(trace, block_size=16, num_blocks=600, max_num_seqs=8, scheduling_policy="lpm")
+    assert fcfs["token_hit_rate"] > 0.3 and lpm["token_hit_rate"] >= fcfs["token_hit_rate"]
+
+
+def test_simulator_and_engine_make_the_same_decisions(make_llm, tokenizer):
+    """Same scheduler, same KV memory system: identical per-step batches and hit tokens."""
+    prompts = [tokenizer("Shared instructions: answer in one word. " * 6 + f"Question {i}: colour of {c}?").input_ids
+               for i, c in enumerate(["sky", "grass", "snow", "coal", "sun", "blood"])]
+    outs = [5, 9, 3, 12, 7, 4]
+    engine_cfg = dict(block_size=16, num_blocks=30, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = make_llm(**engine_cfg)
+    eng = llm.engine
+    engine_steps: list = []
+    eng.schedule_hook = lambda out: engine_steps.append([(s.request.request_id, s.start, s.num_new_tokens)
+                                                         for s in out.seqs])
+    for i, (p, n) in enumerate(zip(prompts, outs)):
+        eng.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
+                        request_id=str(i))
+    cached = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                cached[o.request_id] = o.num_cached_tokens
+    trace = [TraceRequest(0.0, len(p), n) for p, n in zip(prompts, outs)]
+    sim = Simulator(trace, SimConfig(block_size=16, num_blocks=30, max_num_batched_tokens=64, max_num_seqs=4),
+                    COST)
+    # the simulator's synthetic prompts would hash differently: give it the real token ids
+    for tr, p in zip(sim.trace, prompts):
+        tr.segments = [(t, 1) for t in p]
+    sim_steps: list = []
+    sim.schedule_hook = lambda out: sim_steps.append([(s.request.request_id, s.start, s.num_new_tokens)
+                                                      for s in out.seqs])
+    sim.run()
+    assert sim_steps == engine_steps
+    assert sim.kv.counters.prefix_hits_tokens == eng.kv.counters.prefix_hits_tokens > 0
+    assert sim.kv.counters.preemptions == eng.kv.counters.preemptions
+
+
+def test_cli_json_and_sweep_plot(tmp_path):
+    def kvos(*args):
+        r = subprocess.run([sys.executable, "-m", "kvos.cli", *args], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = json.loads(kvos("simulate", "--trace", str(DATA / "mooncake_synthetic.jsonl.gz"), "--limit", "300",
+                          "--block-size", "512", "--cache-blocks", "unlimited", "--json"))
+    for key in ("block_hit_rate", "token_hit_rate", "num_requests", "ttft_p50_s", "throughput_tok_s", "kv_utilization"):
+        assert key in out
+    assert out["num_requests"] == 300
+    kvos("simulate", "--trace", str(DATA / "mooncake_conversation.jsonl.gz"), "--limit", "400",
+         "--block-size", "512", "--sweep", "cache-size", "--sweep-sizes", "64", "256", "--sweep-policies", "lru",
+         "belady", "--plot-dir", str(tmp_path))
+    for png in ("hit_rate_vs_cache_size.png", "ttft_cdf.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert "examples:" in kvos("simulate", "--help") and "examples:" in kvos("plan", "--help")
+
+
+def test_bad_simulate_input():
+    r = subprocess.run([sys.executable, "-m", "kvos.cli", "simulate", "--synthetic", "--cache-blocks", "lots"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cache_blocks" in r.stderr
+    with pytest.raises(ValueError, match="allocator"):
+        SimConfig(allocator="buddy")
+    assert dataclasses.replace(SimConfig(), block_size=32).block_size == 32
