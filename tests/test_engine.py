@@ -199,3 +199,14 @@ def test_bad_model_paths(tmp_path, make_llm):
         make_llm(model=str(corrupt))
     with pytest.raises(ValueError, match="block_size"):
         make_llm(block_size=0)
+
+
+def test_a_request_outgrowing_the_whole_pool_ends_with_length(make_llm):
+    llm = make_llm(num_blocks=5, block_size=16)  # 64 token slots in all
+    out = llm.generate(["Write a very long essay about the history of computing."],
+                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) <= 64 + 1  # the last one needs no slot
+    assert llm.stats()["used"] == 0
+    again = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(again.outputs[0].token_ids) == 4
