@@ -19,6 +19,7 @@ run: install  # serves the default model on 127.0.0.1:8000 and prints how to cal
 	$(BIN)/kvos serve
 
 test: install
+	.ci/ensure-redis
 	$(BIN)/pytest -q
 
 bench: install

@@ -18,13 +18,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default="cpu")
+    t = p.add_argument_group("tiers below the device")
+    t.add_argument("--cpu-cache-gb", type=float, default=0.0, help="CPU-memory tier size (0: off)")
+    t.add_argument("--disk-cache-dir", default=None, help="local-disk tier directory (off if not given)")
+    t.add_argument("--disk-cache-gb", type=float, default=10.0)
+    t.add_argument("--remote-cache", default=None, help="redis://host:port shared tier")
+    t.add_argument("--write-policy", default="write_through", choices=["write_through", "write_back"])
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, num_blocks=a.num_blocks,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                max_model_len=a.max_model_len, dtype=a.dtype, device=a.device)
+                max_model_len=a.max_model_len, dtype=a.dtype, device=a.device, cpu_cache_gb=a.cpu_cache_gb,
+                disk_cache_dir=a.disk_cache_dir, disk_cache_gb=a.disk_cache_gb, remote_cache=a.remote_cache,
+                write_policy=a.write_policy)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +62,10 @@ def format_stats(stats: dict) -> str:
              f"({stats['prefix_hit_rate']:.1%})",
              f"  events     evictions {stats['evictions']}, preemptions {stats['preemptions']}, "
              f"recomputed tokens {stats['recomputed_tokens']}, copy-on-write {stats['cow_copies']}"]
+    for t in stats.get("tiers", []):
+        lines.append(f"  tier {t['name']:<5} {t['used_bytes'] / 2**20:,.1f} of {t['capacity_bytes'] / 2**20:,.0f} MiB, "
+                     f"hits {t['hits_blocks']} blocks, stores {t['stores_blocks']}, checksum failures "
+                     f"{t['checksum_failures']}, errors {t['errors']}")
     return "\n".join(lines)
 
 
@@ -200,6 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     sv = bsub.add_parser("serve", help="HTTP load against a running server: TTFT, TPOT, throughput")
     bench_serve.add_args(sv)
     sv.set_defaults(fn=cmd_bench, bench_run=bench_serve.run)
+    from kvos.bench import tiers as bench_tiers
+
+    ti = bsub.add_parser("tiers", help="later-turn TTFT: recompute vs loading from CPU, disk, Redis")
+    bench_tiers.add_args(ti)
+    ti.set_defaults(fn=cmd_bench, bench_run=bench_tiers.run)
+    from kvos.bench import steps as bench_steps
+
+    st = bsub.add_parser("steps", help="time real engine steps (a calibration file for kvos simulate)")
+    bench_steps.add_args(st)
+    add_engine_args(st)
+    st.set_defaults(fn=cmd_bench, bench_run=bench_steps.run)
     a = p.parse_args(argv)
     try:
         return a.fn(a)

@@ -24,6 +24,11 @@ class EngineConfig:
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    cpu_cache_gb: float = 0.0
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float = 10.0
+    remote_cache: str | None = None  # redis://host:port
+    write_policy: str = "write_through"  # or "write_back"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):

@@ -136,3 +136,50 @@ def test_bad_simulate_input():
     with pytest.raises(ValueError, match="allocator"):
         SimConfig(allocator="buddy")
     assert dataclasses.replace(SimConfig(), block_size=32).block_size == 32
+
+
+def test_cost_model_calibration_recovers_measured_scales(tmp_path):
+    truth = dataclasses.replace(COST, mem_scale=1.3, compute_scale=1.7)
+    steps = [{"num_tokens": n, "context_tokens": c, "attn_pairs": n * c,
+              "seconds": truth.step_time(n, c, n * c)} for n, c in [(1, 100), (64, 64 * 2000), (8192, 8192),
+                                                                    (4096, 20000), (16, 16 * 8000), (2048, 2048)]]
+    (tmp_path / "steps.json").write_text(json.dumps({"steps": steps}))
+    fitted = dataclasses.replace(COST)
+    fitted.calibrate(tmp_path / "steps.json")
+    assert fitted.mem_scale == pytest.approx(1.3, rel=1e-6)
+    assert fitted.compute_scale == pytest.approx(1.7, rel=1e-6)
+
+
+def test_lengths_json_and_multi_turn_sessions(tmp_path):
+    from kvos.sim.traces import load_lengths_json
+
+    (tmp_path / "lengths.json").write_text(json.dumps([{"input_length": 100 + i, "output_length": 20} for i in range(50)]))
+    r = simulate(load_lengths_json(tmp_path / "lengths.json", rate=10), block_size=16)
+    assert r["num_requests"] == 50 and r["token_hit_rate"] == 0.0
+    sessions = synthetic(120, rate=2, input_len=(64, 128), output_len=(16, 32), turns=4, seed=3)
+    r = simulate(sessions, block_size=16)
+    assert r["token_hit_rate"] > 0.4  # later turns reuse the earlier turns' prompts
+
+
+def test_calibrating_on_measured_cpu_steps_predicts_them(llm, tmp_path):
+    """Real steps of the default model on this CPU calibrate the cost model: afterwards it
+    reproduces the measured total exactly (arithmetic on measured data, no speed assertion)."""
+    import random
+
+    from kvos.bench.steps import measure
+    from kvos.sim.hardware import GPU
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(16, 300))] for _ in range(6)]
+    steps = measure(llm, prompts, max_tokens=8)
+    (tmp_path / "steps.json").write_text(json.dumps({"steps": steps}))
+    cpu = GPU("2-core CPU", 24 << 30, 10e9, 300e9)  # rough figures; the fit corrects them
+    model_before = CostModel.for_model(PRESETS["smollm2-135m"], cpu, weight_dtype="fp32", kv_dtype="fp32")
+    assert (model_before.mem_scale, model_before.compute_scale) == (1.0, 1.0)
+    model = CostModel.for_model(PRESETS["smollm2-135m"], cpu, weight_dtype="fp32", kv_dtype="fp32")
+    model.calibrate(tmp_path / "steps.json")
+    predicted = sum(model.step_time(s["num_tokens"], s["context_tokens"], s["attn_pairs"]) for s in steps)
+    measured = sum(s["seconds"] for s in steps)
+    assert predicted == pytest.approx(measured, rel=1e-6)
+    assert model.mem_scale > 0 and model.compute_scale > 0
+    assert any(s["num_tokens"] > 100 for s in steps) and any(s["num_tokens"] < 10 for s in steps)

@@ -1,7 +1,7 @@
 """The block pool: every physical block, their reference counts, and eviction order."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
 from kvos.cache.eviction import EvictionPolicy, LRUPolicy
@@ -39,6 +39,10 @@ class BlockPool:
         self.index = index if index is not None else PrefixIndex()
         self.counters = counters if counters is not None else CacheCounters()
         self._tick = 0
+        self.on_evict: Callable[[KVBlock], None] | None = None
+        """Called with a block about to lose its cached content (its KV is still intact)."""
+        self.newly_cached: list[KVBlock] | None = None
+        """When a list, every block registered in the prefix index is appended (tier writes)."""
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -78,6 +82,8 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         assert block.ref_cnt == 0 and block.block_hash is not None
+        if self.on_evict is not None:
+            self.on_evict(block)
         self.index.remove(block.block_hash)
         block.block_hash = block.parent_hash = None
         block.num_hits = 0
@@ -127,6 +133,8 @@ class BlockPool:
             block.block_hash = block_hash
             block.parent_hash = parent_hash
             block.cached_at = self._tick
+            if self.newly_cached is not None:
+                self.newly_cached.append(block)
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block's content; returns how many were dropped."""

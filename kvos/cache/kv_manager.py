@@ -39,14 +39,17 @@ class KVCacheManager:
         return self.pool.enable_caching
 
     def get_computed_blocks(self, seq: CacheableSequence) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of ``seq``: (blocks, tokens covered). Counts one prefix query."""
+        """Longest cached prefix of ``seq``: (blocks, tokens covered). The caller records the
+        query with ``record_prefix_query`` once the sequence is actually admitted."""
         if not self.pool.enable_caching:
             return [], 0
         blocks = self.group.find_longest_hit(seq, seq.num_tokens - 1)
-        hit_tokens = len(blocks) * self.block_size
-        self.counters.prefix_queries_tokens += seq.num_tokens
-        self.counters.prefix_hits_tokens += hit_tokens
-        return blocks, hit_tokens
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, hit_tokens: int) -> None:
+        if self.pool.enable_caching:
+            self.counters.prefix_queries_tokens += num_tokens
+            self.counters.prefix_hits_tokens += hit_tokens
 
     def allocate_slots(self, seq: CacheableSequence, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> bool:

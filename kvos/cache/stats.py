@@ -14,6 +14,7 @@ class CacheCounters:
     preemptions: int = 0
     recomputed_tokens: int = 0
     cow_copies: int = 0
+    tier_hits_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -11,6 +11,7 @@ from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.spec import FullAttentionSpec
 from kvos.config import EngineConfig
 from kvos.engine.detokenizer import IncrementalDetokenizer
+from kvos.engine.offload import OffloadManager, build_hierarchy
 from kvos.engine.outputs import CompletionOutput, RequestOutput
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.sampling_params import SamplingParams
@@ -77,6 +78,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        hierarchy = build_hierarchy(config.cpu_cache_gb, config.disk_cache_dir, config.disk_cache_gb,
+                                    config.remote_cache, config.write_policy)
+        self.offload = OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler) if hierarchy else None
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}
         self._ids = itertools.count()
@@ -156,11 +160,20 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and post-process one step; returns outputs of requests that changed."""
+        if self.offload is not None:
+            self.offload.install_ready()
         out = self.scheduler.schedule()
         if self.schedule_hook is not None:
             self.schedule_hook(out)
+        if self.offload is not None:
+            self.offload.dispatch(out.loads)
+            if out.is_empty and not out.finished_ids:
+                self.offload.install_ready(block=True)  # nothing to run until a load lands
+                return []
         sampled = self.runner.execute(out)
         got = self.scheduler.update_from_output(out, {r: s.token_id for r, s in sampled.items()})
+        if self.offload is not None:
+            self.offload.after_step()
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for seq in got:
@@ -211,7 +224,8 @@ class LLMEngine:
                 cumulative_logprob=group.cum_logprob.get(i), logprobs=group.logprobs.get(i),
                 finish_reason=seq.status.value if seq.is_finished else None,
                 stop_reason=seq.stop_reason))
-        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time}
+        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
+                   "cached_tokens_by_source": dict(group.seqs[0].cached_by_source)}
         if finished:
             metrics["finished_time"] = now
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished,
@@ -219,8 +233,12 @@ class LLMEngine:
 
     # -- observability -------------------------------------------------------------------
     def stats(self) -> dict:
-        return {**self.kv.stats(), "num_blocks": self.kv.pool.num_blocks,
-                "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting()}
+        s = {**self.kv.stats(), "num_blocks": self.kv.pool.num_blocks,
+             "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting(),
+             "loading": len(self.scheduler.loading)}
+        if self.offload is not None:
+            s["tiers"] = self.offload.h.usage()
+        return s
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

@@ -12,6 +12,7 @@ _arrivals = itertools.count()
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted; its prefix is being loaded from a tier below the device
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -45,6 +46,7 @@ class Request:
     num_computed_tokens: int = 0
     max_computed_tokens: int = 0
     num_cached_tokens: int = -1
+    cached_by_source: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvos.cache.block import KVBlock
@@ -48,11 +49,21 @@ class ScheduledSeq:
 
 
 @dataclass
+class PrefixLoad:
+    """Blocks ``block_ids`` of ``request`` are to be filled from the tiers with ``hashes``."""
+
+    request: Request
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
     copies: list[tuple[int, int]]
     preempted: list[Request]
     finished_ids: list[str]
+    loads: list[PrefixLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -80,6 +91,9 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int, int], Request]] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self.loading: dict[str, Request] = {}
+        self.lower_tier_lookup: Callable[[list[bytes]], int] | None = None
+        """Given the block hashes after a device hit, how many leading ones the tiers below hold."""
 
     # -- queue management ----------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, int, int]:
@@ -93,7 +107,7 @@ class Scheduler:
         return len(self._waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self._waiting)
+        return bool(self.running or self._waiting or self.loading)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -109,6 +123,8 @@ class Scheduler:
             return None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.LOADING:
+            del self.loading[req.request_id]
         elif req.status == RequestStatus.WAITING:
             self._waiting = [(k, r) for k, r in self._waiting if r is not req]
             heapq.heapify(self._waiting)
@@ -157,12 +173,21 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        loads: list[PrefixLoad] = []
         if not preempted:
             if self.config.policy == "lpm":
                 self._order_by_prefix_match()
-            while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while (self._waiting and budget > 0
+                   and len(self.running) + len(self.loading) < self.config.max_num_seqs):
                 _, req = self._waiting[0]
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
+                if self.lower_tier_lookup is not None and self.kv.enable_caching:
+                    load = self._admit_with_load(req, hit_blocks, hit_tokens)
+                    if load is False:
+                        break
+                    if load is not None:
+                        loads.append(load)
+                        continue
                 num_new = min(req.num_tokens - hit_tokens, budget)
                 if not self.kv.allocate_slots(req, num_new, hit_blocks):
                     if not self.running:  # even an empty pool cannot hold it: it can never run
@@ -170,9 +195,11 @@ class Scheduler:
                         continue
                     break
                 heapq.heappop(self._waiting)
+                self.kv.record_prefix_query(req.num_tokens, hit_tokens)
                 req.num_computed_tokens = hit_tokens
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit_tokens
+                    req.cached_by_source = {"device": hit_tokens}
                 if req.max_computed_tokens > hit_tokens:
                     self.kv.counters.recomputed_tokens += req.max_computed_tokens - hit_tokens
                 req.status = RequestStatus.RUNNING
@@ -185,7 +212,48 @@ class Scheduler:
             self._fork_if_needed(s)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
-                               finished_ids=finished)
+                               finished_ids=finished, loads=loads)
+
+    def _admit_with_load(self, req: Request, hit_blocks, hit_tokens: int) -> PrefixLoad | None | bool:
+        """If tiers below hold more of ``req``'s prefix, admit it in the LOADING state with
+        blocks for that prefix (None: nothing below; False: no room now)."""
+        bs = self.kv.block_size
+        hashes = self.kv.group.block_hashes(req)[len(hit_blocks): (req.num_tokens - 1) // bs]
+        extra = self.lower_tier_lookup(hashes) if hashes else 0  # type: ignore[misc]
+        if not extra:
+            return None
+        if not self.kv.allocate_slots(req, extra * bs, hit_blocks):
+            return False
+        heapq.heappop(self._waiting)
+        req.num_computed_tokens = hit_tokens
+        if req.num_cached_tokens < 0:
+            req.cached_by_source = {"device": hit_tokens}
+        req.status = RequestStatus.LOADING
+        self.loading[req.request_id] = req
+        table = self.kv.block_table(req.request_id)
+        ids = [b.block_id for b in table[len(hit_blocks): len(hit_blocks) + extra]]
+        return PrefixLoad(req, ids, hashes[:extra])
+
+    def finish_loading(self, req: Request, loaded_by_source: list[str]) -> None:
+        """The first ``len(loaded_by_source)`` blocks of a PrefixLoad hold verified KV now: count
+        them computed and cached, and let the request run (the rest of its prompt is computed)."""
+        if self.loading.pop(req.request_id, None) is None:
+            return  # aborted meanwhile
+        bs = self.kv.block_size
+        hit_device = req.num_computed_tokens
+        req.num_computed_tokens += len(loaded_by_source) * bs
+        if req.num_cached_tokens < 0:
+            for src in loaded_by_source:
+                req.cached_by_source[src] = req.cached_by_source.get(src, 0) + bs
+        self.kv.cache_blocks(req)
+        self.kv.record_prefix_query(req.num_tokens, req.num_computed_tokens)
+        self.kv.counters.tier_hits_tokens += req.num_computed_tokens - hit_device
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        if req.max_computed_tokens > req.num_computed_tokens:
+            self.kv.counters.recomputed_tokens += req.max_computed_tokens - req.num_computed_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     LPM_WINDOW = 256
 

@@ -51,6 +51,19 @@ class ModelRunner:
         self.kv_caches = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
                                      c.head_dim, dtype=self.dtype, device=self.device)
 
+    def read_block(self, block_id: int) -> bytes:
+        """One block's K and V across all layers as bytes (only valid while the block's content
+        is what its owner says: call before the block is handed to someone else)."""
+        assert self.kv_caches is not None
+        return self.kv_caches[:, :, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Fill a block from ``read_block`` bytes (only into a block its request owns)."""
+        assert self.kv_caches is not None
+        dst = self.kv_caches[:, :, block_id]
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(dst.shape)
+        dst.copy_(src.to(dst.device))
+
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed
         if seed is None or req.sampling_params.greedy:

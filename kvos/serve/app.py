@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import logging
 import time
@@ -36,7 +37,10 @@ class ServerState:
         self.api_keys = {k: hashlib.sha256(k.encode()).hexdigest()[:32] for k in api_keys}
         self.max_waiting = max_waiting
         self.metrics = ServerMetrics(self._stats)
-        self.logprobs = LogprobFormatter(engine.tokenizer)
+        # fast tokenizers are not thread-safe: the event loop gets its own instance, the engine
+        # thread keeps the engine's
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.logprobs = LogprobFormatter(self.tokenizer)
         self.ready = False
         self.draining = False
 
@@ -99,7 +103,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _admit(state, body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = chat_prompt_ids(engine.tokenizer, messages)
+        ids = chat_prompt_ids(state.tokenizer, messages)
         top_n = body.top_logprobs or 0
         params = body.sampling_params(body.effective_max_tokens(), body.effective_logprobs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -127,7 +131,7 @@ async def _warm_up(state: ServerState) -> None:
     try:
         params = SamplingParams(temperature=0, max_tokens=4)
         prompts = WARMUP_PROMPTS + [{"prompt_token_ids": chat_prompt_ids(
-            state.engine.tokenizer, [{"role": "user", "content": "Hi"}])}]
+            state.tokenizer, [{"role": "user", "content": "Hi"}])}]
         streams = [await state.async_engine.submit(p, params, f"warmup-{i}", cache_salt="kvos-warmup")
                    for i, p in enumerate(prompts)]
         await asyncio.gather(*(s.result() for s in streams))

@@ -50,6 +50,25 @@ class _EngineCollector(Collector):
             ("kvos:kv_cache_cow_copies", "cow_copies", "Copy-on-write block copies."),
         ]:
             yield CounterMetricFamily(name, doc, value=s[key])
+        yield CounterMetricFamily("kvos:tier_hit_tokens", "Prompt tokens loaded from tiers below the device.",
+                                  value=s["tier_hits_tokens"])
+        tiers = s.get("tiers", [])
+        for name, key, doc, kind in [
+            ("kvos:tier_usage_bytes", "used_bytes", "Bytes held by each tier.", GaugeMetricFamily),
+            ("kvos:tier_capacity_bytes", "capacity_bytes", "Capacity of each tier.", GaugeMetricFamily),
+            ("kvos:tier_hit_blocks", "hits_blocks", "Blocks loaded from each tier.", CounterMetricFamily),
+            ("kvos:tier_load_bytes", "loads_bytes", "Bytes loaded from each tier.", CounterMetricFamily),
+            ("kvos:tier_load_seconds", "load_seconds", "Time spent loading from each tier.", CounterMetricFamily),
+            ("kvos:tier_store_bytes", "stores_bytes", "Bytes stored into each tier.", CounterMetricFamily),
+            ("kvos:tier_store_seconds", "store_seconds", "Time spent storing into each tier.", CounterMetricFamily),
+            ("kvos:tier_checksum_failures", "checksum_failures", "Blocks that failed their checksum.",
+             CounterMetricFamily),
+            ("kvos:tier_errors", "errors", "Tier I/O errors (e.g. Redis down).", CounterMetricFamily),
+        ]:
+            fam = kind(name, doc, labels=["tier"])
+            for t in tiers:
+                fam.add_metric([t["name"]], t[key])
+            yield fam
 
 
 class ServerMetrics:

@@ -43,26 +43,23 @@ class CostModel:
         return self.overhead_s + max(mem * self.mem_scale, comp * self.compute_scale)
 
     def calibrate(self, path: str | Path) -> None:
-        """Fit overhead and the two scale factors to measured steps.
+        """Fit the two scale factors to measured steps (ratio of sums per regime, so the model
+        reproduces the measured total time of each regime; the per-step overhead stays fixed).
 
-        JSON: ``{"steps": [{"num_tokens", "context_tokens", "attn_pairs", "seconds"}, ...]}``.
-        Memory-bound steps set ``mem_scale``, compute-bound ones ``compute_scale`` (median
-        ratios); the overhead is the smallest residual.
+        JSON: ``{"steps": [{"num_tokens", "context_tokens", "attn_pairs", "seconds"}, ...]}``
+        (``kvos bench steps`` writes one). Each step counts as memory- or compute-bound by the
+        datasheet model; a regime with no steps takes the other's scale.
         """
-        steps = json.loads(Path(path).read_text())["steps"]
+        steps = json.loads(Path(path).read_text()).get("steps") or []
         if not steps:
-            raise ValueError("calibration: no steps")
-        mem_r, comp_r = [], []
-        for s in steps:
-            mem = (self.weight_bytes + s["context_tokens"] * self.kv_bytes_per_token) / self.bandwidth
-            comp = (2 * self.params * s["num_tokens"] + self.attn_flops_per_pair * s.get("attn_pairs", 0)) / self.flops
-            (mem_r if mem >= comp else comp_r).append((s["seconds"], mem if mem >= comp else comp))
-        overhead = min(sec - model for sec, model in mem_r + comp_r)
-        self.overhead_s = max(0.0, overhead)
-
-        def median_ratio(pairs):
-            ratios = sorted((sec - self.overhead_s) / model for sec, model in pairs if model > 0)
-            return ratios[len(ratios) // 2] if ratios else 1.0
-
-        self.mem_scale = median_ratio(mem_r)
-        self.compute_scale = median_ratio(comp_r) if comp_r else self.mem_scale
+            raise ValueError("calibration: no measured steps")
+        sums = {"mem": [0.0, 0.0], "comp": [0.0, 0.0]}  # [measured - overhead, model]
+        for st in steps:
+            mem = (self.weight_bytes + st["context_tokens"] * self.kv_bytes_per_token) / self.bandwidth
+            comp = (2 * self.params * st["num_tokens"] + self.attn_flops_per_pair * st.get("attn_pairs", 0)) / self.flops
+            regime, model = ("mem", mem) if mem >= comp else ("comp", comp)
+            sums[regime][0] += max(0.0, st["seconds"] - self.overhead_s)
+            sums[regime][1] += model
+        scale = {k: (m / d if d > 0 else None) for k, (m, d) in sums.items()}
+        self.mem_scale = scale["mem"] or scale["comp"] or 1.0
+        self.compute_scale = scale["comp"] or self.mem_scale

@@ -1,0 +1,74 @@
+"""The ordered tiers below the device and the write policy that feeds them."""
+from __future__ import annotations
+
+import time
+
+from kvos.cache.block import BlockHash
+from kvos.cache.tiers.base import Tier
+from kvos.cache.tiers.codec import decode
+
+WRITE_POLICIES = ("write_through", "write_back")
+
+
+class TierHierarchy:
+    """Tiers fastest first (cpu, disk, remote).
+
+    ``write_through``: a block is stored in every tier as soon as its KV is computed.
+    ``write_back``: a block goes to the first tier only when the device evicts it, and from each
+    tier to the next only when that tier evicts it.
+    Lookups walk a request's block hashes in order and stop at the first block no tier holds.
+    """
+
+    def __init__(self, tiers: list[Tier], write_policy: str = "write_through") -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self.tiers = tiers
+        self.write_policy = write_policy
+        if write_policy == "write_back":
+            for upper, lower in zip(tiers, tiers[1:]):
+                upper.on_evict = lambda key, blob, lower=lower: self._demote(lower, key, blob)
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    @staticmethod
+    def _demote(lower: Tier, key: BlockHash, blob: bytes) -> None:
+        data = decode(blob)
+        if data is not None:
+            lower.put(key, data)
+
+    def lookup(self, hashes: list[BlockHash]) -> int:
+        """How many leading ``hashes`` some tier holds."""
+        n = 0
+        for h in hashes:
+            if not any(t.contains(h) for t in self.tiers):
+                break
+            n += 1
+        return n
+
+    def load(self, key: BlockHash) -> tuple[bytes, str] | None:
+        """Verified payload and the tier it came from, fastest tier first; promotes a block
+        found lower into the tiers above it."""
+        for i, tier in enumerate(self.tiers):
+            t0 = time.perf_counter()
+            data = tier.get(key)
+            tier.stats.load_seconds += time.perf_counter() - t0
+            if data is not None:
+                for upper in self.tiers[:i]:
+                    upper.put(key, data)
+                return data, tier.name
+        return None
+
+    def store(self, key: BlockHash, data: bytes, evicted: bool) -> None:
+        """Called when a device block is computed (``evicted=False``) or evicted (True)."""
+        if self.write_policy == "write_through":
+            targets = [] if evicted else self.tiers
+        else:
+            targets = self.tiers[:1] if evicted else []
+        for tier in targets:
+            t0 = time.perf_counter()
+            tier.put(key, data)
+            tier.stats.store_seconds += time.perf_counter() - t0
+
+    def usage(self) -> list[dict]:
+        return [t.usage() for t in self.tiers]
