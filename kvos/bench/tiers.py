@@ -12,7 +12,7 @@ from pathlib import Path
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--system-words", type=int, default=400, help="length of the shared-per-chat system prompt")
+    p.add_argument("--system-words", type=int, default=120, help="length of the shared-per-chat system prompt")
     p.add_argument("--device-blocks", type=int, default=64, help="device pool too small to keep the chats")
     p.add_argument("--remote", default=None, help="also measure a redis:// tier")
     p.add_argument("--output", default="benchmarks/results/tiers-cpu.json")
