@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--disk-cache-gb", type=float, default=10.0)
     t.add_argument("--remote-cache", default=None, help="redis://host:port shared tier")
     t.add_argument("--write-policy", default="write_through", choices=["write_through", "write_back"])
+    t.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    t.add_argument("--swap-space-gb", type=float, default=4.0)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -32,7 +34,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 max_model_len=a.max_model_len, dtype=a.dtype, device=a.device, cpu_cache_gb=a.cpu_cache_gb,
                 disk_cache_dir=a.disk_cache_dir, disk_cache_gb=a.disk_cache_gb, remote_cache=a.remote_cache,
-                write_policy=a.write_policy)
+                write_policy=a.write_policy, preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -217,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     ti = bsub.add_parser("tiers", help="later-turn TTFT: recompute vs loading from CPU, disk, Redis")
     bench_tiers.add_args(ti)
     ti.set_defaults(fn=cmd_bench, bench_run=bench_tiers.run)
+    from kvos.bench import tier_bandwidth
+
+    tb = bsub.add_parser("tier-bandwidth", help="CPU-tier block loads into device blocks vs pinned H2D copy")
+    tier_bandwidth.add_args(tb)
+    tb.set_defaults(fn=cmd_bench, bench_run=tier_bandwidth.run)
     from kvos.bench import steps as bench_steps
 
     st = bsub.add_parser("steps", help="time real engine steps (a calibration file for kvos simulate)")

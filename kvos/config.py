@@ -29,6 +29,8 @@ class EngineConfig:
     disk_cache_gb: float = 10.0
     remote_cache: str | None = None  # redis://host:port
     write_policy: str = "write_through"  # or "write_back"
+    preemption_mode: str = "recompute"  # or "swap": preempted KV waits in host memory
+    swap_space_gb: float = 4.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
@@ -37,5 +39,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
             raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

@@ -55,3 +55,14 @@ def test_same_tokens_with_preemption(make_llm, reference, tokenizer):
 def test_same_tokens_alone_and_in_a_batch(llm, reference):
     alone = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert alone == reference
+
+
+def test_same_tokens_with_swap_preemption(make_llm, reference, tokenizer):
+    longest = max(len(tokenizer(p).input_ids) for p in PROMPTS) + PARAMS.max_tokens
+    llm = make_llm(num_blocks=longest // 16 + 6, block_size=16, preemption_mode="swap")
+    assert tokens(llm) == reference
+    stats = llm.stats()
+    assert stats["preemptions"] > 0
+    assert stats["swapped_in_blocks"] == stats["swapped_out_blocks"] > 0
+    assert stats["recomputed_tokens"] == 0  # everything came back from host memory
+    assert stats["used"] == 0 and llm.engine.scheduler.swapper.used_bytes == 0

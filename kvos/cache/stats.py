@@ -15,6 +15,8 @@ class CacheCounters:
     recomputed_tokens: int = 0
     cow_copies: int = 0
     tier_hits_tokens: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

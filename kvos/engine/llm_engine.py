@@ -12,6 +12,7 @@ from kvos.cache.spec import FullAttentionSpec
 from kvos.config import EngineConfig
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
+from kvos.engine.swap import HostSwapSpace
 from kvos.engine.outputs import CompletionOutput, RequestOutput
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.sampling_params import SamplingParams
@@ -81,6 +82,8 @@ class LLMEngine:
         hierarchy = build_hierarchy(config.cpu_cache_gb, config.disk_cache_dir, config.disk_cache_gb,
                                     config.remote_cache, config.write_policy)
         self.offload = OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler) if hierarchy else None
+        if config.preemption_mode == "swap":
+            self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}
         self._ids = itertools.count()

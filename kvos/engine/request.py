@@ -48,6 +48,7 @@ class Request:
     num_cached_tokens: int = -1
     cached_by_source: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    swapped_tokens: int = 0  # > 0 while its KV waits in host memory (preemption by swap)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     forked: bool = False

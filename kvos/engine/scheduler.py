@@ -4,6 +4,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvos.cache.block import KVBlock
 from kvos.cache.kv_manager import KVCacheManager
@@ -46,6 +47,17 @@ class ScheduledSeq:
     @property
     def token_ids(self) -> list[int]:
         return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+
+
+class Swapper(Protocol):
+    """Host memory for preemption by swap. Safety rule: ``swap_out`` reads the blocks at once
+    (they are freed right after), ``swap_in`` writes blocks the sequence owns, before the step."""
+
+    def swap_out(self, request_id: str, block_ids: list[int]) -> bool: ...
+
+    def swap_in(self, request_id: str, block_ids: list[int]) -> None: ...
+
+    def drop(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -94,6 +106,8 @@ class Scheduler:
         self.loading: dict[str, Request] = {}
         self.lower_tier_lookup: Callable[[list[bytes]], int] | None = None
         """Given the block hashes after a device hit, how many leading ones the tiers below hold."""
+        self.swapper: Swapper | None = None
+        """Set for preemption by swap: a victim's computed blocks go to host memory and come back."""
 
     # -- queue management ----------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, int, int]:
@@ -129,6 +143,9 @@ class Scheduler:
             self._waiting = [(k, r) for k, r in self._waiting if r is not req]
             heapq.heapify(self._waiting)
         req.status = status
+        if req.swapped_tokens and self.swapper is not None:
+            self.swapper.drop(req.request_id)
+            req.swapped_tokens = 0
         self.kv.free(req)
         self._finished_ids.append(request_id)
         return req
@@ -136,6 +153,11 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        if self.swapper is not None and req.num_computed_tokens:
+            n = -(-req.num_computed_tokens // self.kv.block_size)
+            if self.swapper.swap_out(req.request_id, self.kv.block_ids(req.request_id)[:n]):
+                req.swapped_tokens = req.num_computed_tokens
+                self.kv.counters.swapped_out_blocks += n
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -180,6 +202,12 @@ class Scheduler:
             while (self._waiting and budget > 0
                    and len(self.running) + len(self.loading) < self.config.max_num_seqs):
                 _, req = self._waiting[0]
+                if req.swapped_tokens:
+                    if not self._swap_in(req, budget):
+                        break
+                    scheduled[req.request_id] = self._scheduled(req, min(req.num_tokens - req.num_computed_tokens, budget))
+                    budget -= scheduled[req.request_id].num_new_tokens
+                    continue
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
                 if self.lower_tier_lookup is not None and self.kv.enable_caching:
                     load = self._admit_with_load(req, hit_blocks, hit_tokens)
@@ -213,6 +241,22 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
                                finished_ids=finished, loads=loads)
+
+    def _swap_in(self, req: Request, budget: int) -> bool:
+        """Re-admit a swapped-out sequence: fresh blocks, its KV copied back from host memory."""
+        swapped = req.swapped_tokens
+        if not self.kv.allocate_slots(req, swapped + min(req.num_tokens - swapped, budget)):
+            return False
+        heapq.heappop(self._waiting)
+        n = -(-swapped // self.kv.block_size)
+        assert self.swapper is not None
+        self.swapper.swap_in(req.request_id, self.kv.block_ids(req.request_id)[:n])
+        self.kv.counters.swapped_in_blocks += n
+        req.num_computed_tokens, req.swapped_tokens = swapped, 0
+        self.kv.cache_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
 
     def _admit_with_load(self, req: Request, hit_blocks, hit_tokens: int) -> PrefixLoad | None | bool:
         """If tiers below hold more of ``req``'s prefix, admit it in the LOADING state with

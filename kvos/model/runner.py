@@ -1,6 +1,7 @@
 """The tensor side of the engine: owns the model, the paged K/V tensors and the sampler."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,11 +59,20 @@ class ModelRunner:
         return self.kv_caches[:, :, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
     def write_block(self, block_id: int, data: bytes) -> None:
-        """Fill a block from ``read_block`` bytes (only into a block its request owns)."""
+        """Fill a block from ``read_block`` bytes (only into a block its request owns). On a GPU
+        the bytes go through a pinned staging buffer."""
         assert self.kv_caches is not None
         dst = self.kv_caches[:, :, block_id]
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(dst.shape)
-        dst.copy_(src.to(dst.device))
+        with warnings.catch_warnings():  # read-only view of immutable bytes: never written
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        if dst.device.type == "cuda":
+            staging = getattr(self, "_staging", None)
+            if staging is None or staging.numel() < src.numel():
+                staging = self._staging = torch.empty(src.numel(), dtype=torch.uint8).pin_memory()
+            staging[: src.numel()].copy_(src)
+            src = staging[: src.numel()]
+        dst.copy_(src.view(self.dtype).view(dst.shape))
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed

@@ -61,7 +61,7 @@ class Tier(ABC):
     @abstractmethod
     def used_bytes(self) -> int: ...
 
-    def get(self, key: BlockHash) -> bytes | None:
+    def get(self, key: BlockHash) -> bytes | memoryview | None:
         blob = self._read(key)
         if blob is None:
             self.stats.misses_blocks += 1
@@ -75,7 +75,7 @@ class Tier(ABC):
         self.stats.loads_bytes += len(data)
         return data
 
-    def put(self, key: BlockHash, data: bytes) -> bool:
+    def put(self, key: BlockHash, data: bytes | memoryview) -> bool:
         if self.contains(key):
             return True
         ok = self._write(key, encode(data))
