@@ -6,7 +6,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -22,14 +24,16 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # a file, not a pipe: an unread pipe fills up and blocks the server's logging
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvos-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "kvos.cli", "serve", "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
 
     def wait_ready(self, timeout: float = 180) -> Server:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.output()[-4000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
@@ -37,6 +41,9 @@ class Server:
                 pass
             time.sleep(0.5)
         raise TimeoutError("server did not become ready")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -112,6 +112,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt_token_ids"),
+    ("/v1/completions", json.dumps({"prompt": "\ud800 lone surrogate"}).encode(), 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
@@ -128,6 +129,14 @@ def test_bad_input_gets_an_openai_error(server, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param or param in err["message"], err
+
+
+def test_lone_surrogates_are_a_clean_400(server):
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2, "cache_salt": "\ud800-tenant"}).encode()
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60, content=body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    assert "engine step failed" not in server.output()
 
 
 def test_load_with_disconnects_frees_every_block(server):

@@ -19,9 +19,9 @@ _DIGEST = 16
 def root_hash(model_id: str, cache_salt: str | None = None) -> BlockHash:
     """The parent hash of a request's first block: the model identity and the tenant salt."""
     h = hashlib.blake2b(digest_size=_DIGEST, person=b"kvos-root")
-    h.update(model_id.encode())
+    h.update(model_id.encode("utf-8", "surrogatepass"))
     h.update(b"\x00")
-    h.update((cache_salt or "").encode())
+    h.update((cache_salt or "").encode("utf-8", "surrogatepass"))  # any str, even lone surrogates
     return h.digest()
 
 

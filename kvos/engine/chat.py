@@ -27,4 +27,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
         raise
     except Exception as e:  # template errors (e.g. jinja raise_exception) are the input's fault
         raise ValueError(f"messages: the chat template rejected them ({e})") from e
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    try:
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    except Exception as e:
+        raise ValueError(f"messages: cannot be tokenized ({type(e).__name__}: {e})") from e

@@ -95,7 +95,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string")
-            ids = list(self.tokenizer(prompt).input_ids)
+            try:
+                ids = list(self.tokenizer(prompt).input_ids)
+            except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+                raise ValueError(f"prompt cannot be tokenized ({type(e).__name__}: {e})") from e
             if not ids:
                 raise ValueError(f"prompt {prompt[:20]!r} encodes to no tokens")
             return prompt, ids
