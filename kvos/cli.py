@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -166,6 +167,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
+    ("throughput", "throughput", "kvos vs HF transformers generate, and prefix-cache TTFT", True),
+    ("serve", "serve", "HTTP load against a running server: TTFT, TPOT, throughput", False),
+    ("tiers", "tiers", "later-turn TTFT: recompute vs loading from CPU, disk, Redis", False),
+    ("tier-bandwidth", "tier_bandwidth", "CPU-tier block loads into device blocks vs pinned H2D copy", False),
+    ("steps", "steps", "time real engine steps (a calibration file for kvos simulate)", True),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvos", description="LLM inference with the KV cache as virtual memory")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -202,34 +212,15 @@ def main(argv: list[str] | None = None) -> int:
                         epilog=sim_cli.EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sim_cli.add_args(sm)
     sm.set_defaults(fn=sim_cli.run)
-    b = sub.add_parser("bench", help="benchmarks")
+    b = sub.add_parser("bench", help="benchmarks (each saves JSON with the machine)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    t = bsub.add_parser("throughput", help="kvos vs HF transformers generate, and prefix-cache TTFT")
-    from kvos.bench import serve as bench_serve
-    from kvos.bench import throughput
-
-    throughput.add_args(t)
-    add_engine_args(t)
-    t.set_defaults(fn=cmd_bench, bench_run=throughput.run)
-    sv = bsub.add_parser("serve", help="HTTP load against a running server: TTFT, TPOT, throughput")
-    bench_serve.add_args(sv)
-    sv.set_defaults(fn=cmd_bench, bench_run=bench_serve.run)
-    from kvos.bench import tiers as bench_tiers
-
-    ti = bsub.add_parser("tiers", help="later-turn TTFT: recompute vs loading from CPU, disk, Redis")
-    bench_tiers.add_args(ti)
-    ti.set_defaults(fn=cmd_bench, bench_run=bench_tiers.run)
-    from kvos.bench import tier_bandwidth
-
-    tb = bsub.add_parser("tier-bandwidth", help="CPU-tier block loads into device blocks vs pinned H2D copy")
-    tier_bandwidth.add_args(tb)
-    tb.set_defaults(fn=cmd_bench, bench_run=tier_bandwidth.run)
-    from kvos.bench import steps as bench_steps
-
-    st = bsub.add_parser("steps", help="time real engine steps (a calibration file for kvos simulate)")
-    bench_steps.add_args(st)
-    add_engine_args(st)
-    st.set_defaults(fn=cmd_bench, bench_run=bench_steps.run)
+    for name, module, help_, engine_options in BENCHES:
+        mod = importlib.import_module(f"kvos.bench.{module}")
+        sp = bsub.add_parser(name, help=help_)
+        mod.add_args(sp)
+        if engine_options:
+            add_engine_args(sp)
+        sp.set_defaults(fn=cmd_bench, bench_run=mod.run)
     a = p.parse_args(argv)
     try:
         return a.fn(a)
