@@ -113,10 +113,6 @@ class Scheduler:
     def _key(self, req: Request) -> tuple[int, int, int]:
         return (req.priority if self.config.policy == "priority" else 0, req.arrival, req.sample_index)
 
-    @property
-    def waiting(self) -> list[Request]:
-        return [r for _, r in sorted(self._waiting, key=lambda x: x[0])]
-
     def num_waiting(self) -> int:
         return len(self._waiting)
 

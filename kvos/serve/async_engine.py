@@ -38,7 +38,6 @@ class AsyncEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvos-engine", daemon=True)
         self.num_pending = 0  # submitted, no output yet (event-loop thread only)
-        self.step_errors = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -47,10 +46,6 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
 
     async def submit(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
                      cache_salt: str | None = None) -> RequestStream:
@@ -113,7 +108,6 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as e:
                 log.exception("engine step failed; failing its requests")
-                self.step_errors += 1
                 self._fail_all(e)
                 continue
             for out in outputs:

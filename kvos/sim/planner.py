@@ -1,7 +1,7 @@
 """Memory math: KV bytes per token and request, pool size, concurrency, decode roofline."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from kvos.sim.hardware import GIB, GPU, KV_BYTES, WEIGHT_BYTES
 from kvos.sim.shapes import ModelShape
