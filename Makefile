@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-gpu bench clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,9 @@ run: install  # serves the default model on 127.0.0.1:8000 and prints how to cal
 test: install
 	.ci/ensure-redis
 	$(BIN)/pytest -q
+
+test-gpu:  # on a CUDA machine whose python3 has torch, triton and transformers (no install step)
+	python3 -m pytest -q tests/test_kernels.py tests/test_elementwise_kernels.py tests/test_gpu.py
 
 bench: install
 	$(BIN)/kvos bench throughput

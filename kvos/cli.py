@@ -9,15 +9,21 @@ import sys
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--model", "--config", dest="model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct); "
+                   "with --random-weights a bundled config (llama-3.1-8b, qwen3-8b, llama-tiny) or a config.json")
+    g.add_argument("--random-weights", action="store_true",
+                   help="draw weights at random from the model's config (benchmarks without real weights)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV pool budget (default: 2 GiB on CPU; on a GPU, profiled from --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (overrides the budget)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", default="float32")
+    g.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     g.add_argument("--device", default="cpu")
     t = p.add_argument_group("tiers below the device")
     t.add_argument("--cpu-cache-gb", type=float, default=0.0, help="CPU-memory tier size (0: off)")
@@ -35,7 +41,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 max_model_len=a.max_model_len, dtype=a.dtype, device=a.device, cpu_cache_gb=a.cpu_cache_gb,
                 disk_cache_dir=a.disk_cache_dir, disk_cache_gb=a.disk_cache_gb, remote_cache=a.remote_cache,
-                write_policy=a.write_policy, preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb)
+                write_policy=a.write_policy, preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb,
+                random_weights=a.random_weights, gpu_memory_utilization=a.gpu_memory_utilization,
+                enforce_eager=a.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

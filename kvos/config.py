@@ -9,18 +9,23 @@ class EngineConfig:
     """Everything that shapes an engine. Sizes are in tokens unless named ``_bytes``.
 
     The KV pool holds ``num_blocks`` blocks if given, else as many as fit in
-    ``kv_cache_memory_bytes``. ``max_model_len`` defaults to the model's context length.
+    ``kv_cache_memory_bytes``; when neither is given, 2 GiB on the CPU and, on a GPU, what is
+    left of ``gpu_memory_utilization`` of its memory after the weights and the peak activations
+    of a profiled ``max_num_batched_tokens`` step. ``max_model_len`` defaults to the model's
+    context length. ``random_weights``: ``model`` names a config (bundled name, config.json or
+    folder) and weights are drawn at random on the device (benchmarks of shapes whose weights
+    are not at hand). ``enforce_eager``: no CUDA graphs on a GPU.
     """
 
     model: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int = 2 << 30
+    kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # bfloat16 on a GPU, float32 on the CPU
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -31,9 +36,17 @@ class EngineConfig:
     write_policy: str = "write_through"  # or "write_back"
     preemption_mode: str = "recompute"  # or "swap": preempted KV waits in host memory
     swap_space_gb: float = 4.0
+    random_weights: bool = False
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
+        if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
+                                                       or self.kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvos import SamplingParams
-from kvos.cache.tiers import CPUTier, DiskTier, RedisTier, TierHierarchy
+from kvos.cache.tiers import CPUTier, DiskTier, RedisTier, SlotArena, TierHierarchy, decode
 from tests.redis_server import RedisServer
 
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -148,3 +148,125 @@ def test_tier_units(tmp_path):
         TierHierarchy([cpu], "write_around")
     dead = RedisTier("redis://127.0.0.1:1/0", timeout_s=0.1)
     assert dead.put(b"k" * 16, b"v") is False and dead.get(b"k" * 16) is None and dead.stats.errors >= 1
+
+
+def test_slot_arena_lru_reuse_capacity_and_lazy_growth():
+    calls = []
+
+    def allocate(n: int) -> memoryview:
+        calls.append(n)
+        return memoryview(bytearray(n))
+
+    arena = SlotArena(100, capacity_bytes=5 * 128, allocate=allocate, chunk_bytes=2 * 128)
+    assert (arena.stride, arena.capacity_slots, calls) == (128, 5, [])  # nothing reserved yet
+    keys = [bytes([i]) * 16 for i in range(6)]
+    slots = []
+    for i in range(5):
+        slot = arena.alloc()
+        arena.view(slot)[:] = bytes([i]) * 100
+        arena.bind(keys[i], slot)
+        slots.append(slot)
+    assert calls == [256, 256, 128] and arena.reserved_bytes == 640  # grown a chunk at a time, capped
+    assert sorted(slots) == list(range(5)) and arena.alloc() is None
+    assert all(bytes(arena.view(s)) == bytes([i]) * 100 for i, s in enumerate(slots))  # no overlap
+    assert arena.lookup(keys[0]) == slots[0]  # now the most recently used
+    assert arena.evict_lru() == (keys[1], slots[1])
+    arena.bind(keys[5], slots[1])  # an evicted slot is reused as is
+    arena.drop(keys[2])
+    assert keys[2] not in arena and arena.alloc() == slots[2]  # a dropped slot is free again
+    assert len(calls) == 3 and len(arena) == 4
+    with pytest.raises(ValueError, match="holds no slot"):
+        SlotArena(100, capacity_bytes=64)
+
+
+def test_cpu_tier_slots_evict_in_lru_order_and_skip_other_sizes():
+    cpu = CPUTier(3 * 1088)  # three slots: 64 bytes of alignment and header + 1000, rounded to 64
+    keys = [bytes([i]) * 16 for i in range(5)]
+    evicted = []
+    cpu.on_evict = lambda key, frame: evicted.append((key, bytes(decode(frame))))
+    for i in range(3):
+        assert cpu.put(keys[i], bytes([i]) * 1000)
+    assert cpu.get(keys[0]) is not None  # keys[1] is now the least recently used
+    assert cpu.put(keys[3], b"\x03" * 1000)
+    assert evicted == [(keys[1], b"\x01" * 1000)] and not cpu.contains(keys[1])  # seen before reuse
+    assert bytes(cpu.get(keys[3])) == b"\x03" * 1000 and bytes(cpu.get(keys[0])) == b"\x00" * 1000
+    assert cpu.arena.reserved_bytes == 3 * 1088 and cpu.used_bytes() == 3 * 1088
+    assert not cpu.put(keys[4], b"x" * 999) and cpu.stats.skipped_writes == 1  # slot size is fixed
+    cpu.corrupt(keys[3])
+    assert cpu.get(keys[3]) is None and cpu.stats.checksum_failures == 1 and cpu.used_bytes() == 2 * 1088
+    assert cpu.put(keys[4], b"\x04" * 1000) and len(cpu.arena.chunks) == 1  # the freed slot, no growth
+    tiny = CPUTier(1000)
+    assert not tiny.put(keys[0], b"x" * 1000) and tiny.stats.skipped_writes == 1
+
+
+def kv_runner(num_blocks: int = 10):
+    """A ModelRunner with only a random KV tensor (what the tier path touches)."""
+    import torch
+
+    from kvos.model.runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner.dtype = torch.device("cpu"), torch.float32
+    runner.kv_caches = torch.randn(2, 2, num_blocks, 4, 2, 8)
+    return runner
+
+
+def test_batched_load_copies_before_promotions_evict_slots(tmp_path):
+    """One fetch takes its first blocks from CPU slots and the rest from disk, verified on three
+    threads; promoting the disk hits evicts those very slots, which must happen only after
+    their bytes were copied out (and every find has ended)."""
+    import torch
+
+    from kvos.engine.tier_io import TierIO
+
+    runner = kv_runner()
+    bb = runner.block_bytes
+    cpu, disk = CPUTier(2 * (bb + 128)), DiskTier(tmp_path, 1 << 20)
+    tio = TierIO(TierHierarchy([cpu, disk]), runner, verify_threads=3)
+    keys = [bytes([i]) * 16 for i in range(1, 5)]
+    # stored in the order 3, 4, 1, 2: the CPU tier keeps the last two, blocks 1 and 2
+    tio.store([keys[2], keys[3], keys[0], keys[1]], runner.read_blocks([3, 4, 1, 2]), evicted=False)
+    assert [cpu.contains(k) for k in keys] == [True, True, False, False]
+    expected = runner.kv_caches[:, :, 1:5].clone()
+    loaded = tio.fetch(keys)
+    assert loaded.sources == ["cpu", "cpu", "disk", "disk"] and loaded.rows.shape == (4, bb)
+    assert [cpu.contains(k) for k in keys] == [False, False, True, True]  # promoted afterwards
+    tio.install(loaded, [6, 7, 8, 9])
+    assert torch.equal(runner.kv_caches[:, :, 6:10], expected)
+    cpu.corrupt(keys[2])  # a bad CPU copy falls through to the disk copy
+    assert tio.fetch(keys[2:3]).sources == ["disk"] and cpu.stats.checksum_failures == 1
+    partial = tio.fetch([keys[2], b"?" * 16, keys[3]])  # stops at the first miss
+    assert partial.sources == ["cpu"] and partial.rows.shape == (1, bb)
+    empty = TierIO(TierHierarchy([CPUTier(1 << 20)]), runner)
+    assert empty.fetch(keys).sources == []
+    empty.close()
+    hits = cpu.stats.hits_blocks
+    for _ in range(20):  # counters stay exact with concurrent finds
+        assert tio.fetch(keys[2:]).sources == ["cpu", "cpu"]
+    assert cpu.stats.hits_blocks == hits + 40
+    tio.close()
+
+
+def test_loads_mixing_tiers_in_one_batch_are_token_identical(make_llm, reference, tmp_path):
+    """The CPU tier is just too small for a conversation and the fillers: a later turn's prefix
+    comes partly from disk (promoted into CPU slots, evicting others) and partly from CPU slots,
+    in one load."""
+    llm = make_llm(num_blocks=24, cpu_cache_gb=0.04, disk_cache_dir=str(tmp_path))
+    outs = chat_turns(llm, evict=True)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    sources = [o.metrics["cached_tokens_by_source"] for o in outs[1:]]
+    assert any(src.get("cpu", 0) and src.get("disk", 0) for src in sources), sources
+    assert next(t for t in llm.stats()["tiers"] if t["name"] == "cpu")["evictions"] > 0
+
+
+def test_tier_bandwidth_bench_runs_the_load_path_on_cpu(tmp_path):
+    import argparse
+
+    from kvos.bench.tier_bandwidth import add_args, run
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    a = p.parse_args(["--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
+                      "--block-size", "4", "--blocks", "8", "--repeats", "2", "--output", str(tmp_path / "b.json")])
+    result = run(a)
+    assert result["verified"] and result["tier_load_GBps"] > 0 and result["checksum_GBps"] > 0

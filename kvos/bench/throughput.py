@@ -8,6 +8,9 @@ import random
 import time
 from pathlib import Path
 
+from kvos.bench import gpu_throughput
+from kvos.bench.gpu_throughput import add_gpu_args
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64)
@@ -21,7 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-prompt-tokens", type=int, default=1000)
     p.add_argument("--ttft-requests", type=int, default=8)
     p.add_argument("--bench-seed", type=int, default=0)
-    p.add_argument("--output", default="benchmarks/results/throughput-cpu.json")
+    p.add_argument("--output", default=None,
+                   help="default: benchmarks/results/throughput-cpu.json (-gpu.json on a GPU)")
+    add_gpu_args(p)
 
 
 def make_requests(a, vocab: int, special: set[int]) -> list[tuple[list[int], int]]:
@@ -104,6 +109,10 @@ def run_ttft(llm, a, vocab: int, special: set[int]) -> dict:
 
 
 def run(a: argparse.Namespace) -> dict:
+    if a.random_weights or a.device.startswith("cuda"):
+        a.output = a.output or "benchmarks/results/throughput-gpu.json"
+        return gpu_throughput.run(a)
+    a.output = a.output or "benchmarks/results/throughput-cpu.json"
     from kvos import LLM
     from kvos.bench.machine import machine_info
     from kvos.cli import engine_kwargs

@@ -10,6 +10,7 @@ class IncrementalDetokenizer:
     ``text`` never ends in an incomplete UTF-8 character (held back until complete), so a
     streamed delta is never revised. ``update`` returns the stop string matched, if any, and
     then truncates ``text`` before it (or after it with ``include_stop_str_in_output``).
+    Without a tokenizer (random-weight models) the text stays empty and no stop string matches.
     """
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
@@ -21,6 +22,8 @@ class IncrementalDetokenizer:
 
     def update(self, token_ids: list[int]) -> str | None:
         self.token_ids = token_ids
+        if self.tokenizer is None:
+            return None
         full = self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
         if full.endswith("\ufffd"):
             return None
@@ -42,4 +45,6 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end of a sequence not stopped by a string: keep an incomplete last character."""
+        if self.tokenizer is None:
+            return
         self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)

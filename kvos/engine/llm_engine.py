@@ -17,7 +17,8 @@ from kvos.engine.outputs import CompletionOutput, RequestOutput
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.sampling_params import SamplingParams
 from kvos.engine.scheduler import Scheduler, SchedulerConfig
-from kvos.model.loader import load_tokenizer, resolve_model_path
+from kvos.model.loader import (load_tokenizer, load_tokenizer_for_config, resolve_config_path,
+                               resolve_model_path)
 from kvos.model.runner import ModelRunner, parse_dtype
 
 PromptType = str | list[int] | dict
@@ -56,31 +57,40 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        path = resolve_model_path(config.model)
+        if config.random_weights:
+            path = resolve_config_path(config.model)
+            self.tokenizer = load_tokenizer_for_config(path)
+        else:
+            path = resolve_model_path(config.model)
+            self.tokenizer = load_tokenizer(path)
         self.model_path = path
-        self.tokenizer = load_tokenizer(path)
-        dtype = parse_dtype(config.dtype)
-        self.runner = ModelRunner(path, dtype, torch.device(config.device))
+        dtype = parse_dtype(config.dtype or ("bfloat16" if config.device.startswith("cuda") else "float32"))
+        self.runner = ModelRunner(path, dtype, torch.device(config.device), random_weights=config.random_weights)
         mc = self.model_config = self.runner.cfg
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         self.spec = FullAttentionSpec(config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                       str(dtype).removeprefix("torch."))
-        num_blocks = config.num_blocks or self.spec.num_blocks_for_memory(config.kv_cache_memory_bytes)
+        num_blocks = config.num_blocks or self._num_blocks_for_budget()
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds fewer than two "
-                             f"blocks of {self.spec.page_bytes} bytes")
-        self.kv = KVCacheManager(self.spec, num_blocks, model_id=f"{path.name}:{self.spec.dtype}",
+            raise ValueError(f"the KV budget holds fewer than two blocks of {self.spec.page_bytes} bytes "
+                             f"(kv_cache_memory_bytes={config.kv_cache_memory_bytes}, "
+                             f"gpu_memory_utilization={config.gpu_memory_utilization})")
+        model_id = f"{path.name}:{self.spec.dtype}" + (":random" if config.random_weights else "")
+        self.kv = KVCacheManager(self.spec, num_blocks, model_id=model_id,
                                  enable_caching=config.enable_prefix_caching)
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
+        if self.runner.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.scheduling_policy), self.kv)
         eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         hierarchy = build_hierarchy(config.cpu_cache_gb, config.disk_cache_dir, config.disk_cache_gb,
-                                    config.remote_cache, config.write_policy)
+                                    config.remote_cache, config.write_policy,
+                                    pinned=self.runner.device.type == "cuda")
         self.offload = OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler) if hierarchy else None
         if config.preemption_mode == "swap":
             self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))
@@ -90,9 +100,18 @@ class LLMEngine:
         self.schedule_hook = None
         """Called with each step's SchedulerOutput before it runs (tests compare the simulator)."""
 
+    def _num_blocks_for_budget(self) -> int:
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.runner.device.type == "cuda":
+            budget = self.runner.profile_kv_budget(self.config.gpu_memory_utilization,
+                                                   self.config.max_num_batched_tokens)
+        return self.spec.num_blocks_for_memory(budget or 2 << 30)
+
     # -- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer (random weights); pass prompt_token_ids")
             if not prompt:
                 raise ValueError("prompt must be a non-empty string")
             try:

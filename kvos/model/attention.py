@@ -13,10 +13,14 @@ class AttentionMetadata:
     """Where this step's tokens go and what they attend to.
 
     Sequences are ordered decodes first (one query token each), then prefill chunks.
-    ``slot_mapping[t]`` is the flat cache slot (``block_id * block_size + offset``) of token t.
-    ``block_tables[i]`` lists sequence i's blocks, padded with the null block 0;
-    ``seq_lens[i]`` counts its tokens after this step (cached prefix plus new tokens);
-    ``query_lens[i]`` counts its new tokens. Python lists mirror the tensors for per-sequence loops.
+    ``slot_mapping[t]`` is the flat cache slot (``block_id * block_size + offset``) of token t
+    (int64; -1 marks a padding row whose K/V is not written).
+    ``block_tables[i]`` (int32) lists sequence i's blocks, padded with the null block 0;
+    ``seq_lens[i]`` (int32) counts its tokens after this step (cached prefix plus new tokens);
+    ``query_lens[i]`` counts its new tokens. Python lists mirror the tensors for per-sequence
+    loops (empty inside a CUDA graph, whose steps are decode-only).
+    ``prefill_start_loc`` (int32, ``num_prefills + 1``): offsets of each prefill's rows counted
+    from the first prefill row; ``max_prefill_len`` the longest prefill chunk.
     """
 
     slot_mapping: torch.Tensor
@@ -26,6 +30,8 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     num_decodes: int
     block_size: int
+    prefill_start_loc: torch.Tensor | None = None
+    max_prefill_len: int = 0
 
 
 class AttentionBackend(ABC):

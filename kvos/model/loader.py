@@ -36,6 +36,30 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
+CONFIGS_DIR = Path(__file__).parent / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """Names of the model shapes kept in the repo for random-weight runs."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
+def resolve_config_path(model: str | os.PathLike | None) -> Path:
+    """For random weights: a bundled config name, a config.json file or a folder holding one."""
+    if model is None:
+        raise ValueError(f"model: random weights need a config (one of {bundled_configs()}, "
+                         f"a config.json or a folder with one)")
+    if str(model) in bundled_configs():
+        return CONFIGS_DIR / f"{model}.json"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix != ".json" or not path.exists():
+        raise ValueError(f"model: {str(model)!r} is neither a bundled config ({', '.join(bundled_configs())}) "
+                         f"nor a config.json file or folder")
+    return path
+
+
 def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if path.is_dir():
         from safetensors.torch import load_file
@@ -55,17 +79,54 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 @functools.lru_cache(maxsize=2)
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Build the model with its weights. Cached per (path, dtype, device): engines in one process
-    share read-only weights (the runner only calls it under ``torch.inference_mode``)."""
-    cfg, weights = load_weights(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu")
-    model.load_hf_weights(weights)
-    model = model.to(device=device, dtype=dtype).eval()
+def load_model(path: Path, dtype: torch.dtype, device: torch.device,
+               random_weights: bool = False) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model with its weights. Cached per arguments: engines in one process share
+    read-only weights (the runner only calls it under ``torch.inference_mode``).
+
+    ``random_weights``: ``path`` is a config.json; weights are drawn on the device itself
+    (normal, std 0.02 like HF's initializer; norms at one) from a fixed seed, so two loads give
+    the same model."""
+    if random_weights:
+        cfg = ModelConfig.from_hf(json.loads(path.read_text()), name=path.stem)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg).to(dtype)
+        model = model.to_empty(device=device)
+        init_random_weights(model, seed=0)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+    else:
+        cfg, weights = load_weights(path)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        model = model.to_empty(device="cpu")
+        model.load_hf_weights(weights)
+        model = model.to(device=device, dtype=dtype)
+    model.eval()
     model.rope = RotaryEmbedding(cfg, device)
     return cfg, model
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Each weight drawn in float32 on its device, then rounded to its dtype: the same seed gives
+    the same model in every dtype (up to that rounding)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, 0.02, generator=gen))
+
+
+def load_tokenizer_for_config(config_path: Path):
+    """The tokenizer beside a random-weight model's config.json, or None (token-id prompts only)."""
+    folder = config_path.parent
+    if folder != CONFIGS_DIR and ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
+        return load_tokenizer(folder)
+    return None
 
 
 @functools.lru_cache(maxsize=2)

@@ -1,15 +1,17 @@
 """The tensor side of the engine: owns the model, the paged K/V tensors and the sampler."""
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvos.engine.scheduler import SchedulerOutput
 from kvos.model.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend
+from kvos.model.cuda_graphs import DecodeGraphs
 from kvos.model.loader import load_model
+from kvos.model.ops import triton_enabled
 from kvos.model.sampler import SampledToken, Sampler, SampleRow
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -24,6 +26,16 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def default_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on a CUDA GPU where triton is installed; the torch reference elsewhere
+    (and whenever ``KVOS_TRITON=0``)."""
+    if device.type == "cuda" and triton_enabled():
+        from kvos.model.triton_backend import TritonBackend
+
+        return TritonBackend()
+    return TorchReferenceBackend()
+
+
 class ModelRunner:
     """Executes one scheduled step: copy-on-write copies, the forward pass, sampling.
 
@@ -33,11 +45,12 @@ class ModelRunner:
     """
 
     def __init__(self, model_path: Path, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, random_weights: bool = False) -> None:
         self.device = device
         self.dtype = dtype
-        self.cfg, self.model = load_model(model_path, dtype, device)
-        self.backend = backend or TorchReferenceBackend()
+        self.cfg, self.model = load_model(model_path, dtype, device, random_weights)
+        self.backend = backend or default_backend(device)
+        self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.kv_caches: torch.Tensor | None = None
         self.block_size = 0
@@ -46,33 +59,89 @@ class ModelRunner:
         """Called with (request ids, float32 logits rows) each step before sampling; a debugging
         and testing aid that must not modify the tensor."""
 
+    @torch.inference_mode()
+    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+        """Bytes left for the KV pool on this GPU: ``gpu_memory_utilization`` of its memory minus
+        what other processes and the CUDA context hold, the weights, and the peak activations of
+        one prefill step of ``max_num_batched_tokens`` tokens (run here on a scratch cache)."""
+        c, dev = self.cfg, self.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        bs = 16
+        nb = -(-max_num_batched_tokens // bs) + 1
+        scratch = torch.zeros(c.num_layers, 2, nb, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=dev)
+        n = max_num_batched_tokens
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(bs, bs + n, device=dev),
+            block_tables=torch.arange(1, nb, dtype=torch.int32, device=dev)[None, :],
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), query_lens_list=[n], seq_lens_list=[n],
+            num_decodes=0, block_size=bs, prefill_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            max_prefill_len=n)
+        ids = torch.randint(0, c.vocab_size, (n,), device=dev)
+        hidden = self.model(ids, torch.arange(n, device=dev), scratch, meta, self.backend)
+        self.model.compute_logits(hidden[: min(n, 256)])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch.numel() * scratch.element_size()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        others = total - free - torch.cuda.memory_reserved(dev)
+        return max(0, int(total * gpu_memory_utilization - others - peak))
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA graphs for decode steps of up to ``max_num_seqs`` sequences of up to
+        ``min(max_model_len, 8192)`` tokens (longer or larger steps run eagerly)."""
+        assert self.kv_caches is not None, "allocate_kv_cache first"
+        max_blocks = -(-min(max_model_len, 8192) // self.block_size)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.block_size,
+                                       min(max_num_seqs, 256), max_blocks)
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.cfg
         self.block_size = block_size
         self.kv_caches = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
                                      c.head_dim, dtype=self.dtype, device=self.device)
 
-    def read_block(self, block_id: int) -> bytes:
-        """One block's K and V across all layers as bytes (only valid while the block's content
-        is what its owner says: call before the block is handed to someone else)."""
-        assert self.kv_caches is not None
-        return self.kv_caches[:, :, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    READ_CHUNK_BYTES = 256 << 20
+    """Most device memory ``read_blocks`` gathers into at once (before each device-to-host copy)."""
 
-    def write_block(self, block_id: int, data: bytes) -> None:
-        """Fill a block from ``read_block`` bytes (only into a block its request owns). On a GPU
-        the bytes go through a pinned staging buffer."""
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K and V across all layers (one row of ``read_blocks``)."""
         assert self.kv_caches is not None
-        dst = self.kv_caches[:, :, block_id]
-        with warnings.catch_warnings():  # read-only view of immutable bytes: never written
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(data, dtype=torch.uint8)
-        if dst.device.type == "cuda":
-            staging = getattr(self, "_staging", None)
-            if staging is None or staging.numel() < src.numel():
-                staging = self._staging = torch.empty(src.numel(), dtype=torch.uint8).pin_memory()
-            staging[: src.numel()].copy_(src)
-            src = staging[: src.numel()]
-        dst.copy_(src.view(self.dtype).view(dst.shape))
+        return self.kv_caches[:, :, 0].numel() * self.kv_caches.element_size()
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' K and V as rows of a host ``uint8`` tensor ``[n, block_bytes]`` (each row
+        ``[num_layers, 2, block_size, kv_heads, head_dim]``), pinned when the KV tensor is on a
+        GPU: one gather and one device-to-host copy per ``READ_CHUNK_BYTES``; returns when the
+        copy is complete. Only valid while the blocks' content is what their owner says: call
+        before the blocks are handed to someone else."""
+        kv = self.kv_caches
+        assert kv is not None
+        n, bb = len(block_ids), self.block_bytes
+        by_block = kv.permute(2, 0, 1, 3, 4, 5)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+        if kv.device.type == "cpu":
+            return by_block[idx].contiguous().view(torch.uint8).view(n, bb)
+        host = torch.empty(n, bb, dtype=torch.uint8, pin_memory=True)
+        step = max(1, self.READ_CHUNK_BYTES // bb)
+        for i in range(0, n, step):
+            host[i: i + step].copy_(by_block[idx[i: i + step]].contiguous().view(torch.uint8).view(-1, bb))
+        return host
+
+    def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Fill ``block_ids`` from ``rows`` (``uint8 [n, block_bytes]`` as ``read_blocks``
+        returns, contiguous, on any device) with one device-side scatter, queued on the current
+        stream. Only into blocks their request owns. A host ``rows`` is copied to the device
+        first (asynchronously when pinned: torch keeps its memory until the copy is done)."""
+        kv = self.kv_caches
+        assert kv is not None
+        layers, two, _, bs, heads, dim = kv.shape
+        src = rows.to(kv.device, non_blocking=True).view(self.dtype)
+        src = src.view(len(block_ids), layers, two, bs, heads, dim).permute(1, 2, 0, 3, 4, 5)
+        kv.index_copy_(2, torch.tensor(block_ids, dtype=torch.long, device=kv.device), src)
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -88,17 +157,16 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput):
         seqs = sorted(out.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         bs = self.block_size
-        ids, pos, query_lens, seq_lens = [], [], [], []
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        logit_rows, row_ids, sample_rows, targets = [], [], [], []
+        n = len(seqs)
+        qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, n)
+        starts = np.fromiter((s.start for s in seqs), np.int64, n)
+        seq_lens = starts + qlens
+        tables = np.zeros((n, max(len(s.block_ids) for s in seqs)), np.int32)
+        logit_rows, row_ids, sample_rows, targets, ids = [], [], [], [], []
         t = 0
         for i, s in enumerate(seqs):
             ids.extend(s.token_ids)
-            pos.append((s.start, s.num_new_tokens))
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(s.start + s.num_new_tokens)
-            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+            tables[i, : len(s.block_ids)] = s.block_ids
             t += s.num_new_tokens
             if s.samplers:
                 row = len(logit_rows)
@@ -107,16 +175,22 @@ class ModelRunner:
                 for target in s.samplers:
                     sample_rows.append(SampleRow(row, target.sampling_params, self._generator(target)))
                     targets.append(target.request_id)
-        positions = torch.cat([torch.arange(a, a + n) for a, n in pos])
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(query_lens))
-        slots = tables[seq_idx, positions // bs] * bs + positions % bs
+        ends = np.cumsum(qlens)
+        positions = np.arange(ends[-1]) - np.repeat(ends - qlens - starts, qlens)
+        slots = tables[np.repeat(np.arange(n), qlens), positions // bs].astype(np.int64) * bs + positions % bs
+        nd = int(np.count_nonzero(qlens == 1))
+        prefill_loc = np.concatenate([[0], np.cumsum(qlens[nd:])])
+        packed = torch.from_numpy(np.concatenate([ids, positions, slots, seq_lens, prefill_loc]).astype(np.int64))
+        packed = packed.to(self.device)
+        T = len(ids)
+        input_ids, pos_t, slots_t = packed[:T], packed[T : 2 * T], packed[2 * T : 3 * T]
+        seq_lens_t = packed[3 * T : 3 * T + n].to(torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device), block_tables=tables.to(self.device),
-            seq_lens=torch.tensor(seq_lens, device=self.device), query_lens_list=query_lens,
-            seq_lens_list=seq_lens, num_decodes=sum(1 for n in query_lens if n == 1), block_size=bs)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return input_ids, positions.to(self.device), meta, logit_rows, row_ids, sample_rows, targets
-
+            slot_mapping=slots_t, block_tables=torch.from_numpy(tables).to(self.device),
+            seq_lens=seq_lens_t, query_lens_list=qlens.tolist(), seq_lens_list=seq_lens.tolist(),
+            num_decodes=nd, block_size=bs, prefill_start_loc=packed[3 * T + n :].to(torch.int32),
+            max_prefill_len=int(qlens[nd:].max()) if nd < n else 0)
+        return input_ids, pos_t, meta, logit_rows, row_ids, sample_rows, targets
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one step; returns a sampled token for every sampling target of the step."""
@@ -128,7 +202,12 @@ class ModelRunner:
         if out.is_empty:
             return {}
         input_ids, positions, meta, logit_rows, row_ids, sample_rows, targets = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        g = self.graphs
+        if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
+                g.can_run(meta.num_decodes, meta.block_tables.shape[1]):
+            hidden = g.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if not logit_rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])

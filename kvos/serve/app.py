@@ -52,6 +52,9 @@ class ServerState:
 
 def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = None,
                max_waiting: int = 256, warmup: bool = True) -> FastAPI:
+    if engine.tokenizer is None:
+        raise ValueError("model: serving needs a tokenizer; this random-weight model has none "
+                         "(put tokenizer files beside its config.json)")
     state = ServerState(engine, model_name, api_keys or [], max_waiting)
 
     @contextlib.asynccontextmanager

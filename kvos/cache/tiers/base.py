@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvos.cache.block import BlockHash
-from kvos.cache.tiers.codec import decode, encode
+from kvos.cache.tiers.codec import decode
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Tier(ABC):
     Thread-safe: the engine's background I/O thread and the scheduler both call it. ``get``
     returns verified payloads only; a failed checksum is a miss (counted) and the entry is
     dropped. Errors never propagate: a failing tier answers "miss" and counts the error.
+    A payload from ``get`` may alias the tier's memory (``CPUTier``): it is valid only until the
+    next ``put`` into the same tier.
     """
 
     name = "tier"
@@ -44,16 +47,20 @@ class Tier(ABC):
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
         self.lock = threading.RLock()
-        self.on_evict: Callable[[BlockHash, bytes], None] | None = None  # write-back to the next tier
+        self.on_evict: Callable[[BlockHash, bytes | memoryview], None] | None = None
+        """Called with an evicted key and its frame, which is valid only during the call
+        (write-back to the next tier)."""
 
     @abstractmethod
     def contains(self, key: BlockHash) -> bool: ...
 
     @abstractmethod
-    def _read(self, key: BlockHash) -> bytes | None: ...
+    def _read(self, key: BlockHash) -> bytes | memoryview | None:
+        """The stored frame of ``key`` (see ``codec``), or None."""
 
     @abstractmethod
-    def _write(self, key: BlockHash, blob: bytes) -> bool: ...
+    def _write(self, key: BlockHash, data: bytes | memoryview) -> bool:
+        """Store the frame of payload ``data``; False (counted) when skipped."""
 
     @abstractmethod
     def _drop(self, key: BlockHash) -> None: ...
@@ -62,23 +69,28 @@ class Tier(ABC):
     def used_bytes(self) -> int: ...
 
     def get(self, key: BlockHash) -> bytes | memoryview | None:
+        """Safe to call from several threads at once (the checksum runs outside the lock, and
+        xxh3 releases the GIL); times itself into ``stats.load_seconds``."""
+        t0 = time.perf_counter()
         blob = self._read(key)
-        if blob is None:
-            self.stats.misses_blocks += 1
-            return None
-        data = decode(blob)
-        if data is None:
-            self.stats.checksum_failures += 1
+        data = None if blob is None else decode(blob)
+        if blob is not None and data is None:
             self._drop(key)
-            return None
-        self.stats.hits_blocks += 1
-        self.stats.loads_bytes += len(data)
+        with self.lock:
+            self.stats.load_seconds += time.perf_counter() - t0
+            if blob is None:
+                self.stats.misses_blocks += 1
+            elif data is None:
+                self.stats.checksum_failures += 1
+            else:
+                self.stats.hits_blocks += 1
+                self.stats.loads_bytes += len(data)
         return data
 
     def put(self, key: BlockHash, data: bytes | memoryview) -> bool:
         if self.contains(key):
             return True
-        ok = self._write(key, encode(data))
+        ok = self._write(key, data)
         if ok:
             self.stats.stores_blocks += 1
             self.stats.stores_bytes += len(data)

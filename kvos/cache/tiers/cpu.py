@@ -1,58 +1,87 @@
-"""CPU-memory tier: an LRU dictionary of framed blocks."""
+"""CPU-memory tier: framed blocks in the fixed-size slots of a ``SlotArena``."""
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from kvos.cache.block import BlockHash
+from kvos.cache.tiers.arena import DEFAULT_CHUNK_BYTES, Allocate, SlotArena, allocate_bytearray
 from kvos.cache.tiers.base import Tier
+from kvos.cache.tiers.codec import HEADER_SIZE, encode_into
 
 
 class CPUTier(Tier):
-    name = "cpu"
+    """Each block is one slot holding its frame (magic, checksum, length, payload), placed so
+    that the payload starts 64-byte aligned. Memory comes from ``allocate`` in chunks as the
+    tier fills (pinned memory when the engine runs on a GPU, so loads DMA straight from slots).
 
-    def __init__(self, capacity_bytes: int) -> None:
+    The slot size is fixed by the first block stored (an engine's blocks all have one size); a
+    payload of another size is not stored and counts in ``stats.skipped_writes``.
+
+    Safety rule: ``get`` returns a view of slot memory, valid only until the next ``put`` into
+    this tier (a put may evict that slot and rewrite it; a get never writes a slot, so gets may
+    run concurrently). The engine puts only on its single tier I/O thread; gets run there or on
+    helper threads that thread waits for, and every view is finished with before its next put
+    (``kvos.engine.tier_io``); other threads only call ``contains``.
+    """
+
+    name = "cpu"
+    PAYLOAD_ALIGN = 64
+    _LEAD = (-HEADER_SIZE) % PAYLOAD_ALIGN  # frame offset in a slot: header ends on the alignment
+
+    def __init__(self, capacity_bytes: int, allocate: Allocate = allocate_bytearray,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         super().__init__(capacity_bytes)
-        self._blocks: OrderedDict[BlockHash, bytes] = OrderedDict()
-        self._used = 0
+        self.allocate = allocate
+        self.chunk_bytes = chunk_bytes
+        self.arena: SlotArena | None = None  # made by the first put that fits
+
+    def _frame(self, slot: int) -> memoryview:
+        assert self.arena is not None
+        return self.arena.view(slot)[self._LEAD:]
 
     def contains(self, key: BlockHash) -> bool:
         with self.lock:
-            return key in self._blocks
+            return self.arena is not None and key in self.arena
 
-    def _read(self, key: BlockHash) -> bytes | None:
+    def _read(self, key: BlockHash) -> memoryview | None:
         with self.lock:
-            blob = self._blocks.get(key)
-            if blob is not None:
-                self._blocks.move_to_end(key)
-            return blob
+            slot = self.arena.lookup(key) if self.arena is not None else None
+            return None if slot is None else self._frame(slot)
 
-    def _write(self, key: BlockHash, blob: bytes) -> bool:
-        if len(blob) > self.capacity_bytes:
-            self.stats.skipped_writes += 1
-            return False
+    def _write(self, key: BlockHash, data: bytes | memoryview) -> bool:
+        size = self._LEAD + HEADER_SIZE + len(data)
         with self.lock:
-            while self._used + len(blob) > self.capacity_bytes:
-                old_key, old = self._blocks.popitem(last=False)
-                self._used -= len(old)
+            if self.arena is None:
+                try:
+                    self.arena = SlotArena(size, self.capacity_bytes, self.allocate, self.chunk_bytes,
+                                           self.PAYLOAD_ALIGN)
+                except ValueError:  # not even one slot of this size fits the capacity
+                    self.stats.skipped_writes += 1
+                    return False
+            if size != self.arena.slot_bytes:
+                self.stats.skipped_writes += 1
+                return False
+            slot = self.arena.alloc()
+            if slot is None:
+                old_key, slot = self.arena.evict_lru()
                 self.stats.evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict(old_key, old)
-            self._blocks[key] = blob
-            self._used += len(blob)
+                if self.on_evict is not None:  # before the slot is rewritten
+                    self.on_evict(old_key, self._frame(slot))
+            encode_into(self._frame(slot), data)
+            self.arena.bind(key, slot)
         return True
 
     def _drop(self, key: BlockHash) -> None:
         with self.lock:
-            blob = self._blocks.pop(key, None)
-            if blob is not None:
-                self._used -= len(blob)
+            if self.arena is not None:
+                self.arena.drop(key)
 
     def used_bytes(self) -> int:
-        return self._used
+        return 0 if self.arena is None else len(self.arena) * self.arena.stride
 
     def corrupt(self, key: BlockHash) -> None:
         """Flip a byte of a stored block (fault-injection for tests)."""
         with self.lock:
-            blob = bytearray(self._blocks[key])
-            blob[-1] ^= 0xFF
-            self._blocks[key] = bytes(blob)
+            assert self.arena is not None
+            slot = self.arena.lookup(key)
+            assert slot is not None, "no such block"
+            frame = self._frame(slot)
+            frame[-1] ^= 0xFF

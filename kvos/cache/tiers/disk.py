@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers.base import Tier
+from kvos.cache.tiers.codec import encode
 
 
 class DiskTier(Tier):
@@ -57,7 +58,8 @@ class DiskTier(Tier):
             self._drop(key)
             return None
 
-    def _write(self, key: BlockHash, blob: bytes) -> bool:
+    def _write(self, key: BlockHash, data: bytes | memoryview) -> bool:
+        blob = encode(data)
         if len(blob) > self.capacity_bytes:
             self.stats.skipped_writes += 1
             return False

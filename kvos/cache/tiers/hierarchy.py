@@ -32,7 +32,7 @@ class TierHierarchy:
         return bool(self.tiers)
 
     @staticmethod
-    def _demote(lower: Tier, key: BlockHash, blob: bytes) -> None:
+    def _demote(lower: Tier, key: BlockHash, blob: bytes | memoryview) -> None:
         data = decode(blob)
         if data is not None:
             lower.put(key, data)
@@ -46,20 +46,23 @@ class TierHierarchy:
             n += 1
         return n
 
-    def load(self, key: BlockHash) -> tuple[bytes, str] | None:
-        """Verified payload and the tier it came from, fastest tier first; promotes a block
-        found lower into the tiers above it."""
+    def find(self, key: BlockHash) -> tuple[bytes | memoryview, int] | None:
+        """Verified payload of ``key`` and the index of the fastest tier holding it, or None.
+        Writes no tier memory (no promotion; a failed checksum only unbinds the entry), so a
+        payload that aliases a tier's memory stays valid until the next store or ``promote``
+        (see ``Tier.get``), and several finds may run at once."""
         for i, tier in enumerate(self.tiers):
-            t0 = time.perf_counter()
             data = tier.get(key)
-            tier.stats.load_seconds += time.perf_counter() - t0
             if data is not None:
-                for upper in self.tiers[:i]:
-                    upper.put(key, data)
-                return data, tier.name
+                return data, i
         return None
 
-    def store(self, key: BlockHash, data: bytes, evicted: bool) -> None:
+    def promote(self, key: BlockHash, data: bytes | memoryview, found_in: int) -> None:
+        """Copy a block found in tier ``found_in`` into the tiers above it (may evict there)."""
+        for upper in self.tiers[:found_in]:
+            upper.put(key, data)
+
+    def store(self, key: BlockHash, data: bytes | memoryview, evicted: bool) -> None:
         """Called when a device block is computed (``evicted=False``) or evicted (True)."""
         if self.write_policy == "write_through":
             targets = [] if evicted else self.tiers

@@ -5,6 +5,7 @@ import time
 
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers.base import Tier
+from kvos.cache.tiers.codec import encode
 
 
 class RedisTier(Tier):
@@ -51,7 +52,8 @@ class RedisTier(Tier):
     def _read(self, key: BlockHash) -> bytes | None:
         return self._call(lambda: self.client.get(self.PREFIX + key.hex()), None)
 
-    def _write(self, key: BlockHash, blob: bytes) -> bool:
+    def _write(self, key: BlockHash, data: bytes | memoryview) -> bool:
+        blob = encode(data)
         ok = self._call(lambda: self.client.set(self.PREFIX + key.hex(), blob), None)
         if ok:
             self._stored += len(blob)

@@ -1,0 +1,97 @@
+"""The two ceilings of a GPU (memory bandwidth, bf16 matrix rate) and the roofline time of a
+model step from them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def measure_ceilings(device: str = "cuda") -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and an 8192^3 bf16 matrix product,
+    each the median of 20 timed runs after warm-up, on random data."""
+    import torch
+
+    def median_ms(fn, reps: int = 20) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    n = 1 << 30
+    buffers = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8,
+                                                                                         device=device)]
+    copy_ms = median_ms(lambda: buffers[1].copy_(buffers[0]))
+    buffers.clear()
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    gemm_ms = median_ms(lambda: a @ b)
+    return {"hbm_GBps": 2 * n / copy_ms / 1e6, "bf16_gemm_TFLOPs": 2 * m**3 / gemm_ms / 1e9}
+
+
+@dataclass
+class ModelCost:
+    """Bytes and FLOPs of a decoder step: every weight read once per step (the embedding table
+    excepted: only its used rows), K/V read once per sequence, 2 FLOPs per weight per token, and
+    4 * heads * head_dim FLOPs per (query, key) pair per layer."""
+
+    weight_bytes: int
+    matmul_params: int
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int
+
+    @classmethod
+    def of(cls, model, dtype_bytes: int) -> ModelCost:
+        cfg = model.cfg
+        params = {id(p): p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n}
+        if cfg.tie_word_embeddings:
+            params[id(model.lm_head.weight)] = model.lm_head.weight.numel()
+        total = sum(params.values())
+        return cls(weight_bytes=total * dtype_bytes, matmul_params=total,
+                   kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes,
+                   attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
+
+    def decode_seconds(self, contexts: list[int], ceilings: dict) -> float:
+        """Roofline time of a decode step over sequences of these context lengths."""
+        kv_read = sum(contexts) * self.kv_bytes_per_token
+        flops = 2 * self.matmul_params * len(contexts) + self.attn_flops_per_pair * sum(contexts)
+        return max((self.weight_bytes + kv_read) / (ceilings["hbm_GBps"] * 1e9),
+                   flops / (ceilings["bf16_gemm_TFLOPs"] * 1e12))
+
+    def prefill_flops(self, new_tokens: int, context_after: int) -> float:
+        """A chunk of ``new_tokens`` ending at ``context_after`` tokens (causal pairs only)."""
+        start = context_after - new_tokens
+        pairs = new_tokens * start + new_tokens * (new_tokens + 1) // 2
+        return 2 * self.matmul_params * new_tokens + self.attn_flops_per_pair * pairs
+
+
+class StepRecorder:
+    """An engine ``schedule_hook`` that adds up the ideal time of the steps actually scheduled:
+    prefill FLOPs at the matrix rate, each step's decodes at their roofline."""
+
+    def __init__(self, cost: ModelCost, ceilings: dict) -> None:
+        self.cost, self.ceil = cost, ceilings
+        self.prefill_flops = 0.0
+        self.decode_seconds = 0.0
+        self.steps = 0
+
+    def __call__(self, out) -> None:
+        contexts = []
+        for s in out.seqs:
+            if s.num_new_tokens == 1:
+                contexts.append(s.start + 1)
+            else:
+                self.prefill_flops += self.cost.prefill_flops(s.num_new_tokens, s.start + s.num_new_tokens)
+        if contexts:
+            self.decode_seconds += self.cost.decode_seconds(contexts, self.ceil)
+        self.steps += not out.is_empty
+
+    @property
+    def ideal_seconds(self) -> float:
+        return self.prefill_flops / (self.ceil["bf16_gemm_TFLOPs"] * 1e12) + self.decode_seconds

@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU path; import only where triton is installed."""

@@ -1,0 +1,189 @@
+"""Paged decode attention (one query token per sequence), split over the context."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvos.kernels.tile_attention import (LOG2E, attend_key_range, check_paged_inputs, dot_precision,
+                                         padded_head_dim)
+
+MIN_KEYS_PER_SPLIT = 256
+"""``decode_num_splits`` never gives a split fewer keys than this (counted on the padded table)."""
+
+MAX_SPLITS = 64
+"""Upper bound of ``decode_num_splits``. Callers may pass more, within reason: the combine
+kernel holds all of a row's splits in registers."""
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                      num_sms: int = 132) -> int:
+    """Default context splits from shapes only: enough programs (``batch * num_kv_heads *
+    splits``) for about two waves over ``num_sms`` SMs, each split still covering at least
+    ``MIN_KEYS_PER_SPLIT`` of the ``max_blocks * block_size`` keys the block table can address."""
+    wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    by_length = max_blocks * block_size // MIN_KEYS_PER_SPLIT
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def _block_n(head_dim_pad: int) -> int:
+    """Keys per tile: 64, or 32 for 256-wide heads so double-buffered K/V tiles stay small."""
+    return 32 if head_dim_pad >= 256 else 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_tb, stride_tn,
+    stride_ob, stride_oh, stride_od,
+    num_heads, group,
+    NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (b, kv head, split): the group's query heads over one slice of the context.
+
+    The context ``0 .. seq_len-1`` is cut into NUM_SPLITS slices of ``cdiv(seq_len, NUM_SPLITS)``
+    keys rounded up to BLOCK_N, so late splits of a short sequence are empty. With one split the
+    result goes straight to ``out``; otherwise each split writes its normalised partial output and
+    its log2-sum-exp (``-inf`` for an empty split) for ``_decode_combine_kernel``.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = tl.minimum(split * keys_per_split, seq_len)
+    end = tl.minimum(start + keys_per_split, seq_len)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * group + offs_g
+    mask_gd = (offs_g < group)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_gd, other=0.0)
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    row_last = tl.full([BLOCK_G], 0, dtype=tl.int32) + (end - 1)
+    k_head_ptr = k_cache_ptr + kvh * stride_kh
+    v_head_ptr = v_cache_ptr + kvh * stride_vh
+    table_ptr = block_tables_ptr + b * stride_tb
+    acc, m_i, l_i = attend_key_range(
+        acc, m_i, l_i, q, row_last, start, full_end, k_head_ptr, v_head_ptr, table_ptr, stride_tn,
+        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False)
+    acc, m_i, l_i = attend_key_range(
+        acc, m_i, l_i, q, row_last, full_end, end, k_head_ptr, v_head_ptr, table_ptr, stride_tn,
+        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=mask_gd)
+    else:
+        row = (b * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_gd)
+        lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=offs_g < group)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    num_heads,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Program (b, head): merge the splits' partial outputs, weighted by exp2(lse - max lse).
+    Empty splits (lse = -inf) weigh 0; a row whose splits are all empty gets zeros."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    row = (b * num_heads + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence over its whole paged context (flash-decoding).
+
+    q: ``[B, H, D]`` (any strides), the query of each sequence's last token, whose K/V is already
+    in the cache. k_cache, v_cache: ``[num_blocks, block_size, KVH, D]``, same dtype as q, any
+    strides. Query head h reads kv head ``h // (H // KVH)``. block_tables: ``[B, max_blocks]``
+    int32/int64; entries past a sequence's last block are never read. seq_lens: ``[B]`` int,
+    tokens including the new one; sequence b attends keys ``0 .. seq_lens[b]-1``. A row with
+    seq_len 0 (padding) gets zeros. scale: softmax scale. out: ``[B, H, D]`` in q's dtype (any
+    strides), allocated if None; returned.
+
+    num_splits: context slices per sequence (default ``decode_num_splits`` from the shapes). The
+    grid is ``(B, KVH, num_splits)`` and each program takes ``cdiv(seq_len, num_splits)`` keys
+    (rounded up to a tile), so every value gives the same result up to rounding. With more than
+    one split, a second kernel merges fp32 partials ``[B, H, num_splits, D]`` and log-sum-exps
+    ``[B, H, num_splits]``, allocated here with ``torch.empty``.
+
+    CUDA graphs: no host synchronisation and no branch on tensor values; launch shapes depend only
+    on ``q.shape``, ``block_tables.shape`` and num_splits. The workspace comes from torch's caching
+    allocator, which during capture serves it from the graph's private pool, so capture works.
+    """
+    group = check_paged_inputs(q, k_cache, v_cache, block_tables)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size)
+    assert num_splits >= 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if batch == 0:
+        return out
+    if num_splits > 1:
+        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: the kernel writes straight to out
+    block_d = padded_head_dim(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        num_heads, group,
+        NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(block_d),
+        BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype),
+        num_warps=8 if q.dtype == torch.float32 else 4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_combine_kernel[(batch, num_heads)](
+            part_out, part_lse, out, *out.stride(), num_heads,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, num_warps=4,
+        )
+    return out

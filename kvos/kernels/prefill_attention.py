@@ -1,0 +1,135 @@
+"""Paged causal attention for a varlen batch of new tokens (prefill chunks, mixed with decodes)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvos.kernels.tile_attention import (LOG2E, attend_key_range, check_paged_inputs, dot_precision,
+                                         padded_head_dim)
+
+
+def prefill_tiles(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_Q query tokens, BLOCK_N keys, num_warps) per program.
+
+    A program's tile has BLOCK_Q tokens times the group's query heads (padded to a power of two)
+    as rows: 64 rows for bf16/fp16 with 64 keys (32 for 256-wide heads), 4 warps (8 for 256).
+    fp32 (exact "ieee" dots on CUDA cores, a testing path) takes 32 rows, 8 warps and
+    ``4096 // head_dim`` keys (at most 64), which keeps register spills small.
+    """
+    head_dim_pad = padded_head_dim(head_dim)
+    if dtype == torch.float32:
+        block_m, block_n, num_warps = 32, min(64, 4096 // head_dim_pad), 8
+    else:
+        block_m, block_n = 64, 64 if head_dim_pad <= 128 else 32
+        num_warps = 8 if head_dim_pad >= 256 else 4
+    return max(1, block_m // triton.next_power_of_2(group)), block_n, num_warps
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_tb, stride_tn,
+    stride_ot, stride_oh, stride_od,
+    group,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (query tile, sequence, kv head): BLOCK_Q new tokens x the group's query heads.
+
+    Row r is token ``r // GROUP_PAD`` of the tile and query head ``kvh * group + r % GROUP_PAD``.
+    Key tiles entirely at or below the tile's first position run unmasked; the rest, up to the
+    tile's last position, are masked causally per row. Tile indices run from the last (the most
+    keys) down, so the longest programs start first; tiles past a sequence's length exit at once.
+    """
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    first_pos = seq_len - q_len + tile * BLOCK_Q
+    end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = tile * BLOCK_Q + offs_m // GROUP_PAD
+    g = offs_m % GROUP_PAD
+    heads = kvh * group + g
+    rows = q_start + tok
+    mask_md = ((tok < q_len) & (g < group))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)
+
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    row_last = first_pos + offs_m // GROUP_PAD
+    k_head_ptr = k_cache_ptr + kvh * stride_kh
+    v_head_ptr = v_cache_ptr + kvh * stride_vh
+    table_ptr = block_tables_ptr + seq * stride_tb
+    acc, m_i, l_i = attend_key_range(
+        acc, m_i, l_i, q, row_last, 0, full_end, k_head_ptr, v_head_ptr, table_ptr, stride_tn,
+        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False)
+    acc, m_i, l_i = attend_key_range(
+        acc, m_i, l_i, q, row_last, full_end, end, k_head_ptr, v_head_ptr, table_ptr, stride_tn,
+        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True)
+
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh
+             + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=mask_md)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context.
+
+    q: ``[T, H, D]`` (any strides), the new tokens of S sequences concatenated: sequence s owns
+    rows ``query_start_loc[s] .. query_start_loc[s+1]-1`` (``query_start_loc``: ``[S+1]`` int,
+    non-decreasing, starting at 0). seq_lens: ``[S]`` int, cached prefix plus new tokens, at least
+    the sequence's query length; new token i of sequence s sits at position
+    ``seq_lens[s] - q_len_s + i`` and attends keys ``0 ..`` that position. Every new token's K/V
+    must already be in the cache (write it first with ``write_kv``). k_cache, v_cache:
+    ``[num_blocks, block_size, KVH, D]``, q's dtype, any strides; query head h reads kv head
+    ``h // (H // KVH)``. block_tables: ``[S, max_blocks]`` int32/int64; entries past a
+    sequence's last block are never read. max_query_len: an upper bound on every q_len (it sizes
+    the grid; a larger bound only adds programs that exit at once). A sequence with q_len 1 is a
+    decode, so one call can serve a mixed batch. out: ``[T, H, D]`` in q's dtype (any strides),
+    allocated if None; returned. Rows of q not owned by any sequence are left untouched.
+
+    CUDA graphs: no host synchronisation and no branch on tensor values; the grid depends on
+    max_query_len, S and KVH only.
+    """
+    group = check_paged_inputs(q, k_cache, v_cache, block_tables)
+    num_seqs = seq_lens.shape[0]
+    head_dim = q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert block_tables.shape[0] == num_seqs and query_start_loc.shape == (num_seqs + 1,)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if num_seqs == 0 or max_query_len <= 0:
+        return out
+    block_q, block_n, num_warps = prefill_tiles(head_dim, group, q.dtype)
+    _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        group,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=triton.next_power_of_2(group),
+        BLOCK_N=block_n, BLOCK_D=padded_head_dim(head_dim), HEAD_DIM=head_dim,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=2,
+    )
+    return out

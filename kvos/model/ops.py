@@ -1,0 +1,66 @@
+"""The decoder's small fused operations, by device: Triton kernels on a CUDA GPU (when triton is
+installed and ``KVOS_TRITON`` is not ``0``), plain torch elsewhere. The torch versions are the
+numerical definition; the kernels are tested against them."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+@functools.cache
+def triton_enabled() -> bool:
+    if os.environ.get("KVOS_TRITON", "1") == "0" or not torch.cuda.is_available():
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_enabled()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * normalize(x)`` with the normalisation in float32; with ``residual``, first
+    ``x = x + residual`` and return ``(normed, x)``."""
+    if use_kernels(x):
+        from kvos.kernels.elementwise import rms_norm as kernel
+
+        return kernel(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, x)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-interleaved (``rotate_half``) rotary embedding of q ``[T, H, D]`` and k ``[T, KVH, D]``;
+    cos/sin are float32 ``[max_pos, D]`` tables."""
+    if use_kernels(q):
+        from kvos.kernels.elementwise import rotary_embedding
+
+        return rotary_embedding(positions, q, k, cos, sin)
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of x = ``[gate | up]``."""
+    if use_kernels(x):
+        from kvos.kernels.elementwise import silu_and_mul as kernel
+
+        return kernel(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
