@@ -10,7 +10,7 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", "--config", dest="model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct); "
-                   "with --random-weights a bundled config (llama-3.1-8b, qwen3-8b, llama-tiny) or a config.json")
+                   "with --random-weights a bundled config (llama-3.1-8b, qwen3-8b, llama-tiny, qwen3-tiny) or a config.json")
     g.add_argument("--random-weights", action="store_true",
                    help="draw weights at random from the model's config (benchmarks without real weights)")
     g.add_argument("--block-size", type=int, default=16)

@@ -81,8 +81,10 @@ def _teacher_forced_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens], device="cuda")).logits[0].float()
 
 
-@pytest.mark.parametrize("dtype,eager", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
-def test_random_weights_match_transformers_with_caching_chunking_preemption(dtype, eager):
+@pytest.mark.parametrize("config,dtype,eager", [("llama-tiny", "float32", False), ("llama-tiny", "bfloat16", False),
+                                                ("llama-tiny", "bfloat16", True), ("qwen3-tiny", "float32", False),
+                                                ("qwen3-tiny", "bfloat16", False)])
+def test_random_weights_match_transformers_with_caching_chunking_preemption(config, dtype, eager):
     """Greedy outputs of the Triton/CUDA-graph engine against transformers on the same random
     weights, with a shared prefix (prefix-cache hits on the second pass), chunked prefill
     (64-token budget) and a pool small enough to preempt. Logits are compared teacher-forced:
@@ -94,9 +96,9 @@ def test_random_weights_match_transformers_with_caching_chunking_preemption(dtyp
     from kvos.model.hf_bridge import hf_model_sharing_weights
     from kvos.model.loader import load_model, resolve_config_path
 
-    path = resolve_config_path("llama-tiny")
+    path = resolve_config_path(config)
     hf32 = hf_model_sharing_weights(load_model(path, torch.float32, torch.device("cuda"), True)[1])
-    llm = LLM(model="llama-tiny", random_weights=True, device="cuda", dtype=dtype, num_blocks=40,
+    llm = LLM(model=config, random_weights=True, device="cuda", dtype=dtype, num_blocks=40,
               block_size=16, max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=eager)
     assert (llm.engine.runner.graphs is None) == eager
     hf_same = hf32 if dtype == "float32" else hf_model_sharing_weights(llm.engine.runner.model)

@@ -2,6 +2,8 @@
 the transformers model sharing kvos's weights generates the same greedy tokens."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,6 +33,25 @@ def test_greedy_matches_transformers_sharing_weights(tiny):
                               max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
         assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
         assert o.outputs[0].text == ""  # no tokenizer: token ids only
+
+
+def test_qwen3_shape_matches_transformers(tmp_path):
+    """Qwen3's per-head q/k norms, from a config.json path."""
+    import json
+
+    cfg = json.loads((Path(__file__).parents[1] / "kvos/model/configs/qwen3-8b.json").read_text())
+    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, vocab_size=1024)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=str(tmp_path / "config.json"), random_weights=True, num_blocks=32)
+    hf = hf_model_sharing_weights(llm.engine.runner.model)
+    p = list(range(5, 45))
+    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.outputs[0].token_ids == ref[0, len(p):].tolist()
 
 
 def test_same_seed_same_weights_in_every_dtype():

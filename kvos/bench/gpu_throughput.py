@@ -19,7 +19,7 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fixed-requests", type=int, default=1000, help="256 in / 256 out, all at once")
     g.add_argument("--micro-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     g.add_argument("--micro-contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    g.add_argument("--hf-sharegpt-batch", type=int, default=256)
+    g.add_argument("--hf-sharegpt-batch", type=int, default=128)
     g.add_argument("--hf-sharegpt-limit", type=int, default=None,
                    help="run transformers on only the first N ShareGPT-like requests (time)")
     g.add_argument("--skip", nargs="*", default=[], choices=["fixed", "sharegpt", "fixed1000", "micro", "hf"])
@@ -54,12 +54,13 @@ def run_kvos(llm, reqs, recorder) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
     dt = time.perf_counter() - t0
+    recorder.close(time.perf_counter())
     llm.engine.schedule_hook = None
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(n for _, n in reqs)
     return {"seconds": dt, "requests": len(reqs), "output_tokens": out_tokens, "output_tok_s": out_tokens / dt,
             "req_s": len(reqs) / dt, "steps": recorder.steps, "ideal_seconds": recorder.ideal_seconds,
-            "fraction_of_ideal": recorder.ideal_seconds / dt}
+            "fraction_of_ideal": recorder.ideal_seconds / dt, "steps_by_kind": recorder.by_kind}
 
 
 def run_hf(hf, reqs, batch_size: int) -> dict:
@@ -135,44 +136,64 @@ def run(a: argparse.Namespace) -> dict:
     from kvos.bench.roofline import ModelCost, StepRecorder, measure_ceilings
     from kvos.cli import engine_kwargs
     from kvos.model.hf_bridge import hf_model_sharing_weights
+    from kvos.model.loader import load_model, resolve_config_path
+    from kvos.model.runner import parse_dtype
 
     ceilings = measure_ceilings()
     kw = engine_kwargs(a)
     kw["max_num_seqs"] = max(kw["max_num_seqs"], max(a.batch_sizes))
+    path = resolve_config_path(kw["model"])
+    dtype = parse_dtype(kw["dtype"] or "bfloat16")
+    model = load_model(path, dtype, torch.device(kw["device"]), True)[1]  # the engine reuses it
+    cfg = model.cfg
+    vocab = cfg.vocab_size
+    cost = ModelCost.of(model, dtype.itemsize)
+    out = Path(a.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict = {"machine": machine_info(), "model": str(path), "ceilings": ceilings,
+                    "engine": {k: v for k, v in kw.items() if k != "model"}, "workloads": {}}
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=2))
+
+    workloads = []  # (name, requests, transformers batch size, transformers request limit)
+    if "fixed" not in a.skip:
+        workloads += [(f"512in-128out-batch{b}", fixed(b, 512, 128, vocab, a.bench_seed + b), b, None)
+                      for b in a.batch_sizes]
+    if "sharegpt" not in a.skip:
+        workloads.append((f"sharegpt-like-{a.sharegpt_requests}",
+                          sharegpt_like(a.sharegpt_requests, vocab, a.bench_seed), a.hf_sharegpt_batch,
+                          a.hf_sharegpt_limit))
+    if "fixed1000" not in a.skip:
+        workloads.append((f"256in-256out-{a.fixed_requests}",
+                          fixed(a.fixed_requests, 256, 256, vocab, a.bench_seed), None, None))
+    for name, *_ in workloads:
+        result["workloads"][name] = {}
+    if "hf" not in a.skip:  # first, with the whole GPU: transformers' dynamic cache grows by copies
+        hf = hf_model_sharing_weights(model)
+        run_hf(hf, fixed(2, 16, 4, vocab, 0), 2)  # warm-up
+        for name, reqs, batch, limit in workloads:
+            if batch:
+                r = result["workloads"][name]["transformers"] = run_hf(hf, reqs[:limit] if limit else reqs, batch)
+                print(name, "transformers", round(r["output_tok_s"], 1), "tok/s", flush=True)
+                save()
+        hf = None
+        torch.cuda.empty_cache()
     t0 = time.perf_counter()
     llm = LLM(**kw)
-    startup = time.perf_counter() - t0
     eng = llm.engine
-    cost = ModelCost.of(eng.runner.model, eng.runner.kv_caches.element_size())
+    result.update(startup_seconds=time.perf_counter() - t0, kv_pool_blocks=eng.kv.pool.num_blocks,
+                  kv_pool_GiB=eng.runner.kv_caches.numel() * eng.runner.kv_caches.element_size() / 2**30)
     rec = StepRecorder(cost, ceilings)
-    vocab = eng.model_config.vocab_size
-    hf = None if "hf" in a.skip else hf_model_sharing_weights(eng.runner.model)
-    result: dict = {"machine": machine_info(), "model": str(eng.model_path), "ceilings": ceilings,
-                    "engine": {k: v for k, v in kw.items() if k != "model"}, "startup_seconds": startup,
-                    "kv_pool_blocks": eng.kv.pool.num_blocks, "kv_pool_GiB": eng.runner.kv_caches.numel()
-                    * eng.runner.kv_caches.element_size() / 2**30, "workloads": {}}
     llm.generate([{"prompt_token_ids": [5] * 64}], use_tqdm=False)  # warm-up: kernels compiled
-
-    def record(name: str, reqs, hf_batch: int | None, hf_limit: int | None = None) -> None:
-        row = {"kvos": run_kvos(llm, reqs, rec)}
-        if hf is not None and hf_batch:
-            sub = reqs[:hf_limit] if hf_limit else reqs
-            row["transformers"] = run_hf(hf, sub, hf_batch)
+    for name, reqs, _, _ in workloads:
+        row = result["workloads"][name]
+        row["kvos"] = run_kvos(llm, reqs, rec)
+        if "transformers" in row:
             row["speedup_output_tok_s"] = row["kvos"]["output_tok_s"] / row["transformers"]["output_tok_s"]
-        result["workloads"][name] = row
         print(name, json.dumps({k: round(v, 3) for k, v in row["kvos"].items() if isinstance(v, float)}),
               "speedup", round(row.get("speedup_output_tok_s", 0), 2), flush=True)
-
-    if "fixed" not in a.skip:
-        for b in a.batch_sizes:
-            record(f"512in-128out-batch{b}", fixed(b, 512, 128, vocab, a.bench_seed + b), b)
-    if "sharegpt" not in a.skip:
-        record(f"sharegpt-like-{a.sharegpt_requests}", sharegpt_like(a.sharegpt_requests, vocab, a.bench_seed),
-               a.hf_sharegpt_batch, a.hf_sharegpt_limit)
-    if "fixed1000" not in a.skip:
-        record(f"256in-256out-{a.fixed_requests}", fixed(a.fixed_requests, 256, 256, vocab, a.bench_seed), None)
-    hf = None
-    torch.cuda.empty_cache()
+        save()
     if "micro" not in a.skip:
         result["decode_micro"] = decode_micro(llm, cost, ceilings, a.micro_batches, a.micro_contexts)
         for r in result["decode_micro"]:
@@ -184,9 +205,7 @@ def run(a: argparse.Namespace) -> dict:
                                 "hf_tok_s": round(w["transformers"]["output_tok_s"], 1) if "transformers" in w else None,
                                 "speedup": round(w.get("speedup_output_tok_s", 0), 2)}
                          for name, w in result["workloads"].items()}
-    out = Path(a.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    save()
     print(json.dumps(result["summary"], indent=1))
     print(f"saved {out}")
     return result

@@ -2,6 +2,7 @@
 model step from them."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -73,24 +74,44 @@ class ModelCost:
 
 class StepRecorder:
     """An engine ``schedule_hook`` that adds up the ideal time of the steps actually scheduled:
-    prefill FLOPs at the matrix rate, each step's decodes at their roofline."""
+    prefill FLOPs at the matrix rate, each step's decodes at their roofline. It also splits the
+    wall time between steps (hook to hook: each step ends with a device sync in sampling) by
+    kind, decode-only or with prefill, against each kind's ideal."""
 
     def __init__(self, cost: ModelCost, ceilings: dict) -> None:
         self.cost, self.ceil = cost, ceilings
         self.prefill_flops = 0.0
         self.decode_seconds = 0.0
         self.steps = 0
+        self.by_kind = {k: {"steps": 0, "wall_seconds": 0.0, "ideal_seconds": 0.0} for k in ("decode", "prefill")}
+        self._last: tuple[float, str, float] | None = None
 
     def __call__(self, out) -> None:
-        contexts = []
+        now = time.perf_counter()
+        self.close(now)
+        contexts, flops = [], 0.0
         for s in out.seqs:
             if s.num_new_tokens == 1:
                 contexts.append(s.start + 1)
             else:
-                self.prefill_flops += self.cost.prefill_flops(s.num_new_tokens, s.start + s.num_new_tokens)
-        if contexts:
-            self.decode_seconds += self.cost.decode_seconds(contexts, self.ceil)
+                flops += self.cost.prefill_flops(s.num_new_tokens, s.start + s.num_new_tokens)
+        decode = self.cost.decode_seconds(contexts, self.ceil) if contexts else 0.0
+        self.prefill_flops += flops
+        self.decode_seconds += decode
         self.steps += not out.is_empty
+        if not out.is_empty:
+            ideal = flops / (self.ceil["bf16_gemm_TFLOPs"] * 1e12) + decode
+            self._last = (now, "prefill" if flops else "decode", ideal)
+
+    def close(self, now: float) -> None:
+        """End the step in flight (call once more after the run)."""
+        if self._last is not None:
+            t, kind, ideal = self._last
+            row = self.by_kind[kind]
+            row["steps"] += 1
+            row["wall_seconds"] += now - t
+            row["ideal_seconds"] += ideal
+            self._last = None
 
     @property
     def ideal_seconds(self) -> float:

@@ -19,7 +19,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=256, help="blocks per load")
     p.add_argument("--repeats", type=int, default=5, help="timed loads (after one warm-up)")
     p.add_argument("--verify-threads", type=int, default=None,
-                   help="checksum threads of a load (default: the engine's, min(4, cores / 2))")
+                   help="checksum threads of a load (default: the engine's, min(8, cores / 2))")
     p.add_argument("--output", default="benchmarks/results/tier-bandwidth.json")
 
 

@@ -63,7 +63,7 @@ class TierIO:
         self.runner = runner
         self.device: torch.device = runner.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.verify_threads = verify_threads or min(4, max(1, (os.cpu_count() or 1) // 2))
+        self.verify_threads = verify_threads or min(8, max(1, (os.cpu_count() or 1) // 2))
         self.verifiers = ThreadPoolExecutor(self.verify_threads, thread_name_prefix="kvos-tier-verify")
 
     def store(self, hashes: list[BlockHash], rows: torch.Tensor, evicted: bool) -> None:
