@@ -243,7 +243,8 @@ def test_decode_default_splits_and_padding_row():
 
 
 def test_decode_num_splits_heuristic():
-    assert decode_num_splits(1, 8, 2048, 16) == 33  # 2 waves of 132 SMs over 8 heads
+    assert decode_num_splits(1, 8, 2048, 16) == 32  # ~2 waves of 132 SMs over 8 heads, a power of 2
+    assert decode_num_splits(3, 8, 2048, 16) == 8  # 11, rounded down to a power of two
     assert decode_num_splits(1, 8, 4, 16) == 1  # 64 keys: one split
     assert decode_num_splits(1, 8, 40, 16) == 2  # 640 keys: at least 256 per split
     assert decode_num_splits(256, 8, 2048, 16) == 1  # enough programs already

@@ -1,12 +1,15 @@
 """GPU kernel times of one prefill step (16 x 512 new tokens) and one eager decode step (256
-sequences of 640 tokens) of Llama-3.1-8B-shaped random weights, from torch.profiler."""
+sequences of 640 tokens) of a bundled config's random weights (default llama-3.1-8b; first
+argument: another config), from torch.profiler."""
+import sys
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvos import LLM
 from kvos.model.attention import AttentionMetadata
 
-llm = LLM(model="llama-3.1-8b", random_weights=True, device="cuda", max_num_batched_tokens=8192,
+llm = LLM(model=sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b", random_weights=True, device="cuda", max_num_batched_tokens=8192,
           max_num_seqs=256, enforce_eager=True)
 r = llm.engine.runner
 bs, dev = r.block_size, "cuda"

@@ -20,10 +20,15 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
                       num_sms: int = 132) -> int:
     """Default context splits from shapes only: enough programs (``batch * num_kv_heads *
     splits``) for about two waves over ``num_sms`` SMs, each split still covering at least
-    ``MIN_KEYS_PER_SPLIT`` of the ``max_blocks * block_size`` keys the block table can address."""
+    ``MIN_KEYS_PER_SPLIT`` of the ``max_blocks * block_size`` keys the block table can address.
+
+    Rounded down to a power of two: the split count is a compile-time constant of the kernels, so
+    eager steps of ever-changing batch composition reuse the at most seven variants that the
+    engine's CUDA-graph capture has already compiled, instead of stalling to compile new ones."""
     wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
     by_length = max_blocks * block_size // MIN_KEYS_PER_SPLIT
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
 
 
 def _block_n(head_dim_pad: int) -> int:
