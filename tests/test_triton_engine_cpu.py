@@ -14,12 +14,13 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is for CPU-only machines")
 
 
-def test_triton_path_matches_torch_path(monkeypatch):
+@pytest.mark.parametrize("config", ["llama-tiny", "qwen3-tiny"])
+def test_triton_path_matches_torch_path(monkeypatch, config):
     from kvos import LLM, SamplingParams
     from kvos.model import ops
     from kvos.model.triton_backend import TritonBackend
 
-    kw = dict(model="llama-tiny", random_weights=True, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=4)
+    kw = dict(model=config, random_weights=True, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=4)
     g = torch.Generator().manual_seed(4)
     shared = torch.randint(3, 4096, (20,), generator=g).tolist()
     prompts = [shared + torch.randint(3, 4096, (n,), generator=g).tolist() for n in (1, 9, 30)]

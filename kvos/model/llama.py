@@ -19,10 +19,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalise x; with ``residual``, normalise ``x + residual`` and return it too."""
-        if x.dim() > 2:  # per-head norms (Qwen3's q/k norm)
-            shape = x.shape
-            return ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+        """Normalise x over its last dimension (``[T, H, D]`` for Qwen3's per-head q/k norms, read
+        in place from the fused projection); with ``residual``, normalise ``x + residual`` and
+        return it too."""
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
