@@ -161,12 +161,13 @@ class ModelRunner:
         qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, n)
         starts = np.fromiter((s.start for s in seqs), np.int64, n)
         seq_lens = starts + qlens
-        tables = np.zeros((n, max(len(s.block_ids) for s in seqs)), np.int32)
+        block_lists = [s.block_ids for s in seqs]
+        tables = np.zeros((n, max(map(len, block_lists))), np.int32)
         logit_rows, row_ids, sample_rows, targets, ids = [], [], [], [], []
         t = 0
         for i, s in enumerate(seqs):
             ids.extend(s.token_ids)
-            tables[i, : len(s.block_ids)] = s.block_ids
+            tables[i, : len(block_lists[i])] = block_lists[i]
             t += s.num_new_tokens
             if s.samplers:
                 row = len(logit_rows)
@@ -180,17 +181,19 @@ class ModelRunner:
         slots = tables[np.repeat(np.arange(n), qlens), positions // bs].astype(np.int64) * bs + positions % bs
         nd = int(np.count_nonzero(qlens == 1))
         prefill_loc = np.concatenate([[0], np.cumsum(qlens[nd:])])
-        packed = torch.from_numpy(np.concatenate([ids, positions, slots, seq_lens, prefill_loc]).astype(np.int64))
-        packed = packed.to(self.device)
-        T = len(ids)
+        # one host-to-device copy for every int64 input of the step (and one for the tables)
+        packed = np.concatenate([ids, positions, slots, logit_rows, seq_lens, prefill_loc]).astype(np.int64)
+        packed = torch.from_numpy(packed).to(self.device)
+        T, L = len(ids), len(logit_rows)
         input_ids, pos_t, slots_t = packed[:T], packed[T : 2 * T], packed[2 * T : 3 * T]
-        seq_lens_t = packed[3 * T : 3 * T + n].to(torch.int32)
+        logit_idx = packed[3 * T : 3 * T + L]
+        rest = packed[3 * T + L :].to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=slots_t, block_tables=torch.from_numpy(tables).to(self.device),
-            seq_lens=seq_lens_t, query_lens_list=qlens.tolist(), seq_lens_list=seq_lens.tolist(),
-            num_decodes=nd, block_size=bs, prefill_start_loc=packed[3 * T + n :].to(torch.int32),
+            seq_lens=rest[:n], query_lens_list=qlens.tolist(), seq_lens_list=seq_lens.tolist(),
+            num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
             max_prefill_len=int(qlens[nd:].max()) if nd < n else 0)
-        return input_ids, pos_t, meta, logit_rows, row_ids, sample_rows, targets
+        return input_ids, pos_t, meta, logit_idx, row_ids, sample_rows, targets
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one step; returns a sampled token for every sampling target of the step."""
@@ -201,16 +204,16 @@ class ModelRunner:
             self.kv_caches[:, :, dst].copy_(self.kv_caches[:, :, src])
         if out.is_empty:
             return {}
-        input_ids, positions, meta, logit_rows, row_ids, sample_rows, targets = self._prepare(out)
+        input_ids, positions, meta, logit_idx, row_ids, sample_rows, targets = self._prepare(out)
         g = self.graphs
         if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
                 g.can_run(meta.num_decodes, meta.block_tables.shape[1]):
             hidden = g.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        if not logit_rows:
+        if not row_ids:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[logit_idx])
         if self.logits_hook is not None:
             self.logits_hook(row_ids, logits)
         return dict(zip(targets, self.sampler(logits, sample_rows)))
