@@ -41,14 +41,15 @@ def fixed(n: int, prompt: int, output: int, vocab: int, seed: int) -> list[tuple
     return [([rng.randrange(3, vocab) for _ in range(prompt)], output) for _ in range(n)]
 
 
-def run_kvos(llm, reqs, recorder) -> dict:
+def run_kvos(llm, reqs, cost, ceilings: dict) -> dict:
     import torch
 
     from kvos import SamplingParams
+    from kvos.bench.roofline import StepRecorder
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.reset_prefix_cache()
-    recorder.__init__(recorder.cost, recorder.ceil)
+    recorder = StepRecorder(cost, ceilings)
     llm.engine.schedule_hook = recorder
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -133,7 +134,7 @@ def run(a: argparse.Namespace) -> dict:
 
     from kvos import LLM
     from kvos.bench.machine import machine_info
-    from kvos.bench.roofline import ModelCost, StepRecorder, measure_ceilings
+    from kvos.bench.roofline import ModelCost, measure_ceilings
     from kvos.cli import engine_kwargs
     from kvos.model.hf_bridge import hf_model_sharing_weights
     from kvos.model.loader import load_model, resolve_config_path
@@ -184,11 +185,10 @@ def run(a: argparse.Namespace) -> dict:
     eng = llm.engine
     result.update(startup_seconds=time.perf_counter() - t0, kv_pool_blocks=eng.kv.pool.num_blocks,
                   kv_pool_GiB=eng.runner.kv_caches.numel() * eng.runner.kv_caches.element_size() / 2**30)
-    rec = StepRecorder(cost, ceilings)
     llm.generate([{"prompt_token_ids": [5] * 64}], use_tqdm=False)  # warm-up: kernels compiled
     for name, reqs, _, _ in workloads:
         row = result["workloads"][name]
-        row["kvos"] = run_kvos(llm, reqs, rec)
+        row["kvos"] = run_kvos(llm, reqs, cost, ceilings)
         if "transformers" in row:
             row["speedup_output_tok_s"] = row["kvos"]["output_tok_s"] / row["transformers"]["output_tok_s"]
         print(name, json.dumps({k: round(v, 3) for k, v in row["kvos"].items() if isinstance(v, float)}),
