@@ -45,23 +45,25 @@ def run_kvos(llm, reqs, cost, ceilings: dict) -> dict:
     import torch
 
     from kvos import SamplingParams
-    from kvos.bench.roofline import StepRecorder
+    from kvos.bench.roofline import StepRecorder, TritonCompiles
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.reset_prefix_cache()
     recorder = StepRecorder(cost, ceilings)
     llm.engine.schedule_hook = recorder
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    recorder.close(time.perf_counter())
+    with recorder.time_execute(llm.engine.runner), TritonCompiles() as compiles:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        recorder.close(time.perf_counter())
     llm.engine.schedule_hook = None
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(n for _, n in reqs)
     return {"seconds": dt, "requests": len(reqs), "output_tokens": out_tokens, "output_tok_s": out_tokens / dt,
             "req_s": len(reqs) / dt, "steps": recorder.steps, "ideal_seconds": recorder.ideal_seconds,
-            "fraction_of_ideal": recorder.ideal_seconds / dt, "steps_by_kind": recorder.by_kind}
+            "fraction_of_ideal": recorder.ideal_seconds / dt, "steps_by_kind": recorder.by_kind,
+            "triton_compiles": compiles.as_dict()}
 
 
 def run_hf(hf, reqs, batch_size: int) -> dict:

@@ -3,6 +3,8 @@ model step from them."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -76,15 +78,19 @@ class StepRecorder:
     """An engine ``schedule_hook`` that adds up the ideal time of the steps actually scheduled:
     prefill FLOPs at the matrix rate, each step's decodes at their roofline. It also splits the
     wall time between steps (hook to hook: each step ends with a device sync in sampling) by
-    kind, decode-only or with prefill, against each kind's ideal."""
+    kind, decode-only or with prefill, against each kind's ideal, and within that the seconds
+    spent inside the model runner's ``execute`` (forward pass and sampling, ending in the sync;
+    the rest is host work: scheduling and outputs) when ``time_execute`` wraps the runner."""
 
     def __init__(self, cost: ModelCost, ceilings: dict) -> None:
         self.cost, self.ceil = cost, ceilings
         self.prefill_flops = 0.0
         self.decode_seconds = 0.0
         self.steps = 0
-        self.by_kind = {k: {"steps": 0, "wall_seconds": 0.0, "ideal_seconds": 0.0} for k in ("decode", "prefill")}
+        self.by_kind = {k: {"steps": 0, "wall_seconds": 0.0, "execute_seconds": 0.0, "ideal_seconds": 0.0}
+                        for k in ("decode", "prefill")}
         self._last: tuple[float, str, float] | None = None
+        self._execute = 0.0
 
     def __call__(self, out) -> None:
         now = time.perf_counter()
@@ -110,9 +116,66 @@ class StepRecorder:
             row = self.by_kind[kind]
             row["steps"] += 1
             row["wall_seconds"] += now - t
+            row["execute_seconds"] += self._execute
             row["ideal_seconds"] += ideal
             self._last = None
+        self._execute = 0.0
+
+    @contextmanager
+    def time_execute(self, runner) -> Iterator[None]:
+        """Time each ``runner.execute`` call (an instance attribute shadows the method while
+        inside; removed on exit)."""
+        execute = runner.execute
+
+        def timed(out):
+            t = time.perf_counter()
+            try:
+                return execute(out)
+            finally:
+                self._execute += time.perf_counter() - t
+
+        runner.execute = timed
+        try:
+            yield
+        finally:
+            del runner.execute
 
     @property
     def ideal_seconds(self) -> float:
         return self.prefill_flops / (self.ceil["bf16_gemm_TFLOPs"] * 1e12) + self.decode_seconds
+
+
+class TritonCompiles:
+    """Counts Triton kernel compilations (and their seconds) while entered. Loading a variant
+    from Triton's on-disk cache counts too. A compile inside a timed run is a stall that a
+    long-running server pays once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self.kernels: dict[str, int] = {}
+        self._t = 0.0
+
+    def _start(self, **_) -> bool:
+        self._t = time.perf_counter()
+        return False  # False: go on and compile
+
+    def _end(self, *, fn, **_) -> None:
+        self.count += 1
+        self.seconds += time.perf_counter() - self._t
+        self.kernels[fn.name] = self.kernels.get(fn.name, 0) + 1
+
+    def __enter__(self) -> TritonCompiles:
+        from triton import knobs
+
+        self._saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._start, self._end
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+
+    def as_dict(self) -> dict:
+        return {"count": self.count, "seconds": self.seconds, "kernels": self.kernels}

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_kd,

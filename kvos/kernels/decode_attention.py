@@ -36,7 +36,8 @@ def _block_n(head_dim_pad: int) -> int:
     return 32 if head_dim_pad >= 256 else 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,

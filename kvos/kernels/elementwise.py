@@ -32,7 +32,7 @@ def _round(x, dtype: tl.constexpr):
     return x.to(dtype).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr,
     n_rows, heads,
@@ -126,7 +126,7 @@ def _rotate_heads(ptr, t, h0, n_heads, s_t, s_h, c1, c2, s1, s2,
     tl.store(p + HALF, o2.to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _rope_kernel(
     pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
     n_q_heads, n_k_heads, sq_t, sq_h, sk_t, sk_h, s_cs,

@@ -26,7 +26,8 @@ def prefill_tiles(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, i
     return max(1, block_m // triton.next_power_of_2(group)), block_n, num_warps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     scale_log2,
