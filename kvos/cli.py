@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool budget (default: 2 GiB on CPU; on a GPU, profiled from --gpu-memory-utilization)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--async-scheduling", choices=["on", "off"], default=None,
+                   help="schedule and queue step N+1 while step N runs (default: on for a CUDA device)")
     g.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (overrides the budget)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -43,7 +45,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 disk_cache_dir=a.disk_cache_dir, disk_cache_gb=a.disk_cache_gb, remote_cache=a.remote_cache,
                 write_policy=a.write_policy, preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb,
                 random_weights=a.random_weights, gpu_memory_utilization=a.gpu_memory_utilization,
-                enforce_eager=a.enforce_eager)
+                enforce_eager=a.enforce_eager,
+                async_scheduling=None if a.async_scheduling is None else a.async_scheduling == "on")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,10 @@ class EngineConfig:
     of a profiled ``max_num_batched_tokens`` step. ``max_model_len`` defaults to the model's
     context length. ``random_weights``: ``model`` names a config (bundled name, config.json or
     folder) and weights are drawn at random on the device (benchmarks of shapes whose weights
-    are not at hand). ``enforce_eager``: no CUDA graphs on a GPU.
+    are not at hand). ``enforce_eager``: no CUDA graphs on a GPU. ``async_scheduling``
+    (default: on a GPU): step N+1 is scheduled and queued while step N runs, so host work
+    (scheduling, inputs, outputs) overlaps the device; outputs then arrive one step later and a
+    sequence that stops on a token runs one extra step whose token is dropped.
     """
 
     model: str | None = None
@@ -39,6 +42,7 @@ class EngineConfig:
     random_weights: bool = False
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # default: on for a CUDA device
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)

@@ -185,3 +185,27 @@ def test_cpu_tier_on_gpu_is_pinned_and_token_identical(folder):
     assert torch.frombuffer(cpu.arena.chunks[0], dtype=torch.uint8).is_pinned()  # the slots' memory
     assert llm.engine.offload.tier_io.stream is not None
     assert llm.stats()["used"] == 0
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_async_scheduling_on_gpu_matches_sync(eager):
+    """Steps really overlap on CUDA (decode inputs fed on the device from the previous step's
+    samples, graphs replayed from them): same tokens as the synchronous loop in fp32, with
+    preemption, prefix hits, forks, seeded sampling and stop tokens."""
+    from kvos import LLM
+    from tests.test_async_scheduling import logprobs_of, mixed_workload, stop_midway, summary
+
+    prompts, params = mixed_workload()
+    kw = dict(model="llama-tiny", random_weights=True, device="cuda", dtype="float32", num_blocks=60,
+              max_num_batched_tokens=256, max_num_seqs=16, enforce_eager=eager)
+    stop_midway(params, LLM(async_scheduling=False, **kw).generate(prompts, params, use_tqdm=False))
+    runs = {}
+    for async_on in (False, True):
+        llm = LLM(async_scheduling=async_on, **kw)
+        assert llm.engine.async_scheduling is async_on
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+        assert stats["preemptions"] > 0 and stats["prefix_hits_tokens"] > 0 and stats["used"] == 0
+        runs[async_on] = (summary(outs), logprobs_of(outs))
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == pytest.approx(runs[False][1], abs=1e-3)

@@ -164,3 +164,22 @@ class KVMachine(RuleBasedStateMachine):
 TestKVMachine = KVMachine.TestCase
 TestKVMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_chain_built_on_a_recomputed_copy_queues_children_first():
+    """Regression (found by the machine above): a one-token prompt is never a hit, so its block
+    is computed again; a chain grown on that copy has a registered parent that was queued for
+    eviction long before, and freeing the chain must queue that parent behind its child."""
+    sequences = [  # the two minimal failing examples hypothesis found
+        ["start", "free", "start", "free", "start", "append", "free"],
+        ["start", "start", "free", "append", "free"],
+    ]
+    for steps in sequences:
+        m = KVMachine()
+        m.setup(block_size=1, num_blocks=4, policy="lru")
+        for step in steps:
+            {"start": lambda: m.start(salt=None, tokens=[0]), "free": lambda: m.free(i=0),
+             "append": lambda: m.append(i=0, more=[0])}[step]()
+            m.children_evicted_before_parents()
+            m.accounting()
+        m.teardown()

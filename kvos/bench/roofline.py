@@ -79,18 +79,19 @@ class StepRecorder:
     prefill FLOPs at the matrix rate, each step's decodes at their roofline. It also splits the
     wall time between steps (hook to hook: each step ends with a device sync in sampling) by
     kind, decode-only or with prefill, against each kind's ideal, and within that the seconds
-    spent inside the model runner's ``execute`` (forward pass and sampling, ending in the sync;
-    the rest is host work: scheduling and outputs) when ``time_execute`` wraps the runner."""
+    the host spent waiting for the device's samples when ``time_device_waits`` wraps the runner
+    (the rest of the wall time is host work the device did not hide). With async scheduling a
+    step's wait is for the step before it."""
 
     def __init__(self, cost: ModelCost, ceilings: dict) -> None:
         self.cost, self.ceil = cost, ceilings
         self.prefill_flops = 0.0
         self.decode_seconds = 0.0
         self.steps = 0
-        self.by_kind = {k: {"steps": 0, "wall_seconds": 0.0, "execute_seconds": 0.0, "ideal_seconds": 0.0}
+        self.by_kind = {k: {"steps": 0, "wall_seconds": 0.0, "device_wait_seconds": 0.0, "ideal_seconds": 0.0}
                         for k in ("decode", "prefill")}
         self._last: tuple[float, str, float] | None = None
-        self._execute = 0.0
+        self._wait = 0.0
 
     def __call__(self, out) -> None:
         now = time.perf_counter()
@@ -116,29 +117,29 @@ class StepRecorder:
             row = self.by_kind[kind]
             row["steps"] += 1
             row["wall_seconds"] += now - t
-            row["execute_seconds"] += self._execute
+            row["device_wait_seconds"] += self._wait
             row["ideal_seconds"] += ideal
             self._last = None
-        self._execute = 0.0
+        self._wait = 0.0
 
     @contextmanager
-    def time_execute(self, runner) -> Iterator[None]:
-        """Time each ``runner.execute`` call (an instance attribute shadows the method while
-        inside; removed on exit)."""
-        execute = runner.execute
+    def time_device_waits(self, runner) -> Iterator[None]:
+        """Time each ``runner.collect`` call: the host waiting for the device's results (an
+        instance attribute shadows the method while inside; removed on exit)."""
+        collect = runner.collect
 
-        def timed(out):
+        def timed(step):
             t = time.perf_counter()
             try:
-                return execute(out)
+                return collect(step)
             finally:
-                self._execute += time.perf_counter() - t
+                self._wait += time.perf_counter() - t
 
-        runner.execute = timed
+        runner.collect = timed
         try:
             yield
         finally:
-            del runner.execute
+            del runner.collect
 
     @property
     def ideal_seconds(self) -> float:

@@ -120,8 +120,20 @@ class BlockPool:
                     self._tick += 1
                     block.last_used = self._tick
                     self.evictor.add(block)
+                    self._requeue_ancestors(block)
                 else:
                     self.plain_free.appendleft(block)
+
+    def _requeue_ancestors(self, block: KVBlock) -> None:
+        """Queue ``block``'s unreferenced ancestors behind it. They are usually still referenced
+        (a request frees tail first), but a chain can be built on another copy of a parent's
+        content (a prompt's last token is never a hit, so it is computed again), leaving the
+        registered parent queued since long before its new child."""
+        parent = self.index.get(block.parent_hash) if block.parent_hash is not None else None
+        while parent is not None and parent.ref_cnt == 0 and parent in self.evictor:
+            self.evictor.remove(parent)
+            self.evictor.add(parent)
+            parent = self.index.get(parent.parent_hash) if parent.parent_hash is not None else None
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash) -> None:
         """Register a referenced, full block under its chained hash (no-op if caching is off,

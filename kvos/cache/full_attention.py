@@ -91,14 +91,18 @@ class FullAttentionManager:
         if need > 0:
             table.extend(self.pool.get_new_blocks(need))
 
-    def cache_blocks(self, seq: CacheableSequence) -> None:
-        """Register ``seq``'s full blocks up to ``num_computed_tokens`` in the prefix index.
+    def cache_blocks(self, seq: CacheableSequence, num_tokens: int | None = None) -> None:
+        """Register ``seq``'s full blocks among its first ``num_tokens`` (default
+        ``num_computed_tokens``) in the prefix index.
 
         Only safe once their KV has been written: a block registered before its step ran could
-        be hit while holding garbage if the sequence were preempted or aborted first.
+        be hit while holding garbage if the sequence were preempted or aborted first. With
+        async scheduling ``num_computed_tokens`` already counts the step in flight, so the
+        caller passes the end of the step that has finished.
         """
         table = self.tables.get(seq.request_id, [])
-        num_full = seq.num_computed_tokens // self.block_size
+        upto = seq.num_computed_tokens if num_tokens is None else min(num_tokens, seq.num_computed_tokens)
+        num_full = upto // self.block_size
         start = self._num_cached.get(seq.request_id, 0)
         if num_full <= start or not self.pool.enable_caching:
             return

@@ -65,9 +65,10 @@ class KVCacheManager:
         self.group.allocate(seq, total, new_computed)
         return True
 
-    def cache_blocks(self, seq: CacheableSequence) -> None:
-        """After a step ran: make ``seq``'s newly computed full blocks hittable."""
-        self.group.cache_blocks(seq)
+    def cache_blocks(self, seq: CacheableSequence, num_tokens: int | None = None) -> None:
+        """After a step ran: make ``seq``'s newly computed full blocks hittable (those among
+        its first ``num_tokens``, default all computed ones)."""
+        self.group.cache_blocks(seq, num_tokens)
 
     def fork(self, parent: CacheableSequence, child: CacheableSequence) -> None:
         self.group.fork(parent, child)

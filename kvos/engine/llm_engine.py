@@ -16,10 +16,10 @@ from kvos.engine.swap import HostSwapSpace
 from kvos.engine.outputs import CompletionOutput, RequestOutput
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.sampling_params import SamplingParams
-from kvos.engine.scheduler import Scheduler, SchedulerConfig
+from kvos.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvos.model.loader import (load_tokenizer, load_tokenizer_for_config, resolve_config_path,
                                resolve_model_path)
-from kvos.model.runner import ModelRunner, parse_dtype
+from kvos.model.runner import LaunchedStep, ModelRunner, parse_dtype
 
 PromptType = str | list[int] | dict
 
@@ -84,6 +84,10 @@ class LLMEngine:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.scheduling_policy), self.kv)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
+        self.scheduler.async_mode = self.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -184,7 +188,9 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and post-process one step; returns outputs of requests that changed."""
+        """Schedule and launch one step, then finish one: the same step, or with async
+        scheduling the step launched by the previous call (so host work overlaps the device).
+        Returns outputs of requests that changed."""
         if self.offload is not None:
             self.offload.install_ready()
         out = self.scheduler.schedule()
@@ -192,10 +198,21 @@ class LLMEngine:
             self.schedule_hook(out)
         if self.offload is not None:
             self.offload.dispatch(out.loads)
-            if out.is_empty and not out.finished_ids:
+            if out.is_empty and not out.finished_ids and self._in_flight is None:
                 self.offload.install_ready(block=True)  # nothing to run until a load lands
                 return []
-        sampled = self.runner.execute(out)
+        launched = self.runner.launch(out)
+        if not self.async_scheduling:
+            return self._finish_step(out, launched)
+        previous, self._in_flight = self._in_flight, (out, launched)
+        outputs = self._finish_step(*previous) if previous is not None else []
+        if out.is_empty:  # nothing in flight: report its finished requests now
+            self._in_flight = None
+            outputs += self._finish_step(out, launched)
+        return outputs
+
+    def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        sampled = self.runner.collect(launched)
         got = self.scheduler.update_from_output(out, {r: s.token_id for r, s in sampled.items()})
         if self.offload is not None:
             self.offload.after_step()

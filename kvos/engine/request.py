@@ -29,6 +29,10 @@ class Request:
 
     ``parent_id`` groups the ``n`` sequences of one user request (index ``sample_index``).
     ``arrival`` orders requests first come, first served (a child inherits its parent's).
+    ``num_pending``: tokens sampled by a step still running on the device (async scheduling),
+    whose ids the host does not know yet. They count in ``num_tokens`` (the next step computes
+    them, fed on the device) but are not in ``all_token_ids``/``output_token_ids`` until
+    ``append_token`` delivers them, oldest first.
     """
 
     request_id: str
@@ -52,6 +56,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     forked: bool = False
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -61,7 +66,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Known tokens plus pending ones."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,8 +82,19 @@ class Request:
         return self.status.finished
 
     def append_token(self, token_id: int) -> None:
+        """Deliver the next output token (the oldest pending one, if any is pending)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.num_pending:
+            self.num_pending -= 1
+
+    def length_reached_with_pending(self) -> bool:
+        """True when the tokens already sampled (pending ones included) reach ``max_tokens`` or
+        ``max_model_len``: the sequence will finish once they are delivered, so it must not be
+        scheduled again."""
+        sp = self.sampling_params
+        return ((sp.max_tokens is not None and len(self.output_token_ids) + self.num_pending >= sp.max_tokens)
+                or self.num_tokens >= self.max_model_len)
 
     def check_stop(self) -> RequestStatus | None:
         """Token-level stop after the last appended token (stop strings are the engine's)."""
@@ -91,7 +108,7 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         if sp.max_tokens is not None and self.num_output_tokens >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if self.num_tokens >= self.max_model_len:
+        if len(self.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -46,7 +46,14 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
+        """The known input tokens; with async scheduling the last ``num_pending_inputs`` are
+        still on the device (sampled by the step in flight) and missing here."""
         return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+
+    @property
+    def num_pending_inputs(self) -> int:
+        """Input tokens not known to the host yet (read before the step in flight finishes)."""
+        return max(0, self.start + self.num_new_tokens - len(self.request.all_token_ids))
 
 
 class Swapper(Protocol):
@@ -108,6 +115,12 @@ class Scheduler:
         """Given the block hashes after a device hit, how many leading ones the tiers below hold."""
         self.swapper: Swapper | None = None
         """Set for preemption by swap: a victim's computed blocks go to host memory and come back."""
+        self.async_mode = False
+        """Async scheduling: the next step is scheduled while this one runs on the device, so
+        ``schedule`` counts its tokens computed and its samples pending (``Request.num_pending``)
+        at once, and ``update_from_output`` only delivers the sampled tokens. Safety rule: at
+        most one step is in flight beyond the one being scheduled, in the order schedule N+1,
+        update N, schedule N+2: a pending token is known before the step after next."""
 
     # -- queue management ----------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, int, int]:
@@ -171,7 +184,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (req.num_pending and req.length_reached_with_pending()):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -198,6 +211,8 @@ class Scheduler:
             while (self._waiting and budget > 0
                    and len(self.running) + len(self.loading) < self.config.max_num_seqs):
                 _, req = self._waiting[0]
+                if req.num_pending:
+                    break  # preempted with a token in flight: it is known by the next schedule
                 if req.swapped_tokens:
                     if not self._swap_in(req, budget):
                         break
@@ -234,6 +249,13 @@ class Scheduler:
         seqs = list(scheduled.values())
         for s in seqs:
             self._fork_if_needed(s)
+        if self.async_mode:
+            for s in seqs:
+                req = s.request
+                req.num_computed_tokens = s.start + s.num_new_tokens
+                req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
+                for target in s.samplers:
+                    target.num_pending += 1
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
                                finished_ids=finished, loads=loads)
@@ -336,18 +358,20 @@ class Scheduler:
 
     # -- after the forward ---------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish sequences that hit a
-        token-level stop. Returns the sequences that received a token."""
+        """Advance computed tokens (``schedule`` did already in async mode), register the step's
+        full blocks, append sampled tokens, finish sequences that hit a token-level stop.
+        Returns the sequences that received a token. A target preempted after this step was
+        scheduled (async mode) still gets its token: it was sampled from complete KV."""
         got_token = []
         for s in out.seqs:
             req = s.request
-            if req.status != RequestStatus.RUNNING:
-                continue
-            req.num_computed_tokens = s.start + s.num_new_tokens
-            req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
-            self.kv.cache_blocks(req)
+            if req.status == RequestStatus.RUNNING:
+                if not self.async_mode:
+                    req.num_computed_tokens = s.start + s.num_new_tokens
+                    req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
+                self.kv.cache_blocks(req, s.start + s.num_new_tokens)
             for target in s.samplers:
-                if target.status != RequestStatus.RUNNING or target.request_id not in sampled:
+                if target.is_finished or target.request_id not in sampled:
                     continue
                 target.append_token(sampled[target.request_id])
                 got_token.append(target)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +13,18 @@ from kvos.model.attention import AttentionBackend, AttentionMetadata, TorchRefer
 from kvos.model.cuda_graphs import DecodeGraphs
 from kvos.model.loader import load_model
 from kvos.model.ops import triton_enabled
-from kvos.model.sampler import SampledToken, Sampler, SampleRow
+from kvos.model.sampler import PendingSamples, SampledToken, Sampler, SampleRow
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its sampling targets and their samples in flight."""
+
+    targets: list[str]
+    samples: PendingSamples | None
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -55,6 +64,9 @@ class ModelRunner:
         self.kv_caches: torch.Tensor | None = None
         self.block_size = 0
         self._generators: dict[str, torch.Generator] = {}
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
+        """Device tokens sampled by the last launch and each target's row in them."""
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
         """Called with (request ids, float32 logits rows) each step before sampling; a debugging
         and testing aid that must not modify the tensor."""
@@ -164,9 +176,19 @@ class ModelRunner:
         block_lists = [s.block_ids for s in seqs]
         tables = np.zeros((n, max(map(len, block_lists))), np.int32)
         logit_rows, row_ids, sample_rows, targets, ids = [], [], [], [], []
+        feed_dst, feed_src = [], []  # input positions whose token is still on the device
         t = 0
         for i, s in enumerate(seqs):
-            ids.extend(s.token_ids)
+            known = s.token_ids
+            ids.extend(known)
+            if len(known) < s.num_new_tokens:
+                rid = s.request.request_id
+                if self._last_rows.get(rid) is None or s.num_new_tokens - len(known) != 1:
+                    raise RuntimeError(f"request {rid}: an input token is pending but was not "
+                                       f"sampled by the previous step")
+                feed_dst.append(len(ids))
+                feed_src.append(self._last_rows[rid])
+                ids.append(0)
             tables[i, : len(block_lists[i])] = block_lists[i]
             t += s.num_new_tokens
             if s.samplers:
@@ -182,28 +204,51 @@ class ModelRunner:
         nd = int(np.count_nonzero(qlens == 1))
         prefill_loc = np.concatenate([[0], np.cumsum(qlens[nd:])])
         # one host-to-device copy for every int64 input of the step (and one for the tables)
-        packed = np.concatenate([ids, positions, slots, logit_rows, seq_lens, prefill_loc]).astype(np.int64)
-        packed = torch.from_numpy(packed).to(self.device)
-        T, L = len(ids), len(logit_rows)
+        packed = np.concatenate([ids, positions, slots, logit_rows, feed_dst, feed_src, seq_lens,
+                                 prefill_loc]).astype(np.int64)
+        packed = self._to_device(packed)
+        T, L, F = len(ids), len(logit_rows), len(feed_dst)
         input_ids, pos_t, slots_t = packed[:T], packed[T : 2 * T], packed[2 * T : 3 * T]
         logit_idx = packed[3 * T : 3 * T + L]
-        rest = packed[3 * T + L :].to(torch.int32)
+        if F:
+            assert self._last_tokens is not None
+            dst, src = packed[3 * T + L : 3 * T + L + F], packed[3 * T + L + F : 3 * T + L + 2 * F]
+            input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
+        rest = packed[3 * T + L + 2 * F :].to(torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=slots_t, block_tables=torch.from_numpy(tables).to(self.device),
+            slot_mapping=slots_t, block_tables=self._to_device(tables),
             seq_lens=rest[:n], query_lens_list=qlens.tolist(), seq_lens_list=seq_lens.tolist(),
             num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
             max_prefill_len=int(qlens[nd:].max()) if nd < n else 0)
         return input_ids, pos_t, meta, logit_idx, row_ids, sample_rows, targets
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """Host array to the device without synchronising with the work queued there (through
+        page-locked memory on a GPU; torch keeps that buffer until the copy has run)."""
+        t = torch.from_numpy(a)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one step; returns a sampled token for every sampling target of the step."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queue one step on the device (copy-on-write copies, forward pass, sampling) without
+        waiting for it. Inputs still pending on the host (async scheduling) are read on the
+        device from the tokens sampled by the previous ``launch``, which must therefore be the
+        step before this one. Safety rule: launches are serialised on one stream, so a step
+        sees every write of the steps launched before it."""
         for rid in out.finished_ids:
             self._generators.pop(rid, None)
         assert self.kv_caches is not None, "allocate_kv_cache first"
         for src, dst in out.copies:
             self.kv_caches[:, :, dst].copy_(self.kv_caches[:, :, src])
         if out.is_empty:
-            return {}
+            return LaunchedStep([], None)
         input_ids, positions, meta, logit_idx, row_ids, sample_rows, targets = self._prepare(out)
         g = self.graphs
         if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
@@ -212,8 +257,17 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if not row_ids:
-            return {}
+            return LaunchedStep([], None)
         logits = self.model.compute_logits(hidden[logit_idx])
         if self.logits_hook is not None:
             self.logits_hook(row_ids, logits)
-        return dict(zip(targets, self.sampler(logits, sample_rows)))
+        pending = self.sampler.launch(logits, sample_rows)
+        self._last_tokens = pending.tokens
+        self._last_rows = {rid: i for i, rid in enumerate(targets)}
+        return LaunchedStep(targets, pending)
+
+    def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
+        """Wait for a launched step's samples: a token for every sampling target."""
+        if step.samples is None:
+            return {}
+        return dict(zip(step.targets, self.sampler.collect(step.samples)))

@@ -24,40 +24,96 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a synchronising copy: on a GPU it goes through
+    page-locked memory (torch's caching host allocator keeps the buffer until the copy ran)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class PendingSamples:
+    """Tokens sampled on the device, on their way to the host.
+
+    ``tokens`` (device, int64 ``[rows]``) can feed the next step's inputs before the host sees
+    them. The host copies are valid only after ``ready`` (a CUDA event; None on the CPU) has
+    completed: ``Sampler.collect`` waits for it.
+    """
+
+    rows: list[SampleRow]
+    tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    host_logprob: torch.Tensor | None = None
+    host_top_ids: torch.Tensor | None = None
+    host_top_vals: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+
 class Sampler:
     """Samples each row independently; a seeded row's draws depend only on its own generator,
-    so its output does not change with batch composition."""
+    so its output does not change with batch composition. ``launch`` only queues device work
+    (no host synchronisation); ``collect`` waits for the results."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-        if not rows:
-            return []
-        idx = torch.tensor([r.row for r in rows], device=logits.device)
-        logits = logits.float()[idx]
-        greedy = [r.params.greedy for r in rows]
-        want_lp = any(r.params.logprobs is not None for r in rows)
-        logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+        return self.collect(self.launch(logits, rows))
 
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSamples:
+        dev = logits.device
+        if [r.row for r in rows] != list(range(logits.shape[0])):
+            logits = logits[to_device([r.row for r in rows], torch.long, dev)]
+        logits = logits.float()
         tokens = logits.argmax(dim=-1)
+        greedy = [r.params.greedy for r in rows]
         if not all(greedy):
             sampled = self._sample(logits, rows)
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
-        token_list = tokens.tolist()
+            tokens = torch.where(to_device(greedy, torch.bool, dev), tokens, sampled)
+        out = PendingSamples(rows, tokens, self._to_host(tokens))
+        want = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        if want:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.host_logprob = self._to_host(logprobs.gather(1, tokens[:, None])[:, 0])
+            k = max(want)
+            if k > 0:
+                vals, ids = logprobs.topk(k, dim=-1)
+                out.host_top_ids, out.host_top_vals = self._to_host(ids), self._to_host(vals)
+        if dev.type == "cuda":
+            out.ready = torch.cuda.Event()
+            out.ready.record()
+        return out
+
+    @staticmethod
+    def _to_host(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    @staticmethod
+    def collect(p: PendingSamples) -> list[SampledToken]:
+        if p.ready is not None:
+            p.ready.synchronize()
+        token_list = p.host_tokens.tolist()
+        lps = p.host_logprob.tolist() if p.host_logprob is not None else None
+        top_ids = p.host_top_ids.tolist() if p.host_top_ids is not None else None
+        top_vals = p.host_top_vals.tolist() if p.host_top_vals is not None else None
         out = []
-        for i, (r, tok) in enumerate(zip(rows, token_list)):
+        for i, (r, tok) in enumerate(zip(p.rows, token_list)):
             st = SampledToken(tok)
-            if r.params.logprobs is not None and logprobs is not None:
-                st.logprob = float(logprobs[i, tok])
-                if r.params.logprobs > 0:
-                    vals, ids = logprobs[i].topk(r.params.logprobs)
-                    st.top_logprobs = list(zip(ids.tolist(), vals.tolist()))
+            k = r.params.logprobs
+            if k is not None and lps is not None:
+                st.logprob = lps[i]
+                if k > 0 and top_ids is not None and top_vals is not None:
+                    st.top_logprobs = list(zip(top_ids[i][:k], top_vals[i][:k]))
             out.append(st)
         return out
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         dev = logits.device
-        temp = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
-                            device=dev)
+        temp = to_device([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
+                         torch.float32, dev)
         x = logits / temp[:, None]
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
@@ -65,17 +121,17 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
             x_sorted, order = x.sort(dim=-1, descending=True)
             vocab = x.shape[-1]
-            k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev)
+            k = to_device([k if k > 0 else vocab for k in top_k], torch.long, dev)
             ranks = torch.arange(vocab, device=dev)[None, :]
             x_sorted = x_sorted.masked_fill(ranks >= k[:, None], float("-inf"))
-            p = torch.tensor(top_p, device=dev)
+            p = to_device(top_p, torch.float32, dev)
             probs = x_sorted.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
             x_sorted = x_sorted.masked_fill((before >= p[:, None]) & (ranks > 0), float("-inf"))
             x = torch.full_like(x, float("-inf")).scatter(-1, order, x_sorted)
         probs = x.softmax(dim=-1)
         if any(m > 0 for m in min_p):
-            mp = torch.tensor(min_p, device=dev)
+            mp = to_device(min_p, torch.float32, dev)
             probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs)
         for i, r in enumerate(rows):
