@@ -86,7 +86,6 @@ class LLMEngine:
                                                    config.scheduling_policy), self.kv)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
-        self.scheduler.async_mode = self.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -29,8 +29,8 @@ class Request:
 
     ``parent_id`` groups the ``n`` sequences of one user request (index ``sample_index``).
     ``arrival`` orders requests first come, first served (a child inherits its parent's).
-    ``num_pending``: tokens sampled by a step still running on the device (async scheduling),
-    whose ids the host does not know yet. They count in ``num_tokens`` (the next step computes
+    ``num_pending``: tokens of scheduled steps whose output has not been applied yet (with
+    async scheduling the step may still be running on the device), ids unknown to the host. They count in ``num_tokens`` (the next step computes
     them, fed on the device) but are not in ``all_token_ids``/``output_token_ids`` until
     ``append_token`` delivers them, oldest first.
     """

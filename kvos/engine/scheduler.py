@@ -46,14 +46,10 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
-        """The known input tokens; with async scheduling the last ``num_pending_inputs`` are
-        still on the device (sampled by the step in flight) and missing here."""
+        """The known input tokens. With async scheduling the last one of a decode may still be
+        on the device (sampled by the step in flight) and missing here; read this before that
+        step's output is applied."""
         return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
-
-    @property
-    def num_pending_inputs(self) -> int:
-        """Input tokens not known to the host yet (read before the step in flight finishes)."""
-        return max(0, self.start + self.num_new_tokens - len(self.request.all_token_ids))
 
 
 class Swapper(Protocol):
@@ -101,6 +97,12 @@ class Scheduler:
     the running sequence with the lowest priority (highest value), latest arrival first; its
     blocks are freed (full ones stay cached) and it rejoins the waiting queue, to resume by
     recompute with prefix hits.
+
+    ``schedule`` counts a step's tokens as computed and its samples as pending
+    (``Request.num_pending``) at once; ``update_from_output`` delivers the tokens. So the next
+    step may be scheduled before the last one's output is applied (async scheduling). Safety
+    rule: at most one step's output is outstanding when scheduling, in the order schedule N+1,
+    update N, schedule N+2, so a pending token is known before the step after next.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -115,12 +117,6 @@ class Scheduler:
         """Given the block hashes after a device hit, how many leading ones the tiers below hold."""
         self.swapper: Swapper | None = None
         """Set for preemption by swap: a victim's computed blocks go to host memory and come back."""
-        self.async_mode = False
-        """Async scheduling: the next step is scheduled while this one runs on the device, so
-        ``schedule`` counts its tokens computed and its samples pending (``Request.num_pending``)
-        at once, and ``update_from_output`` only delivers the sampled tokens. Safety rule: at
-        most one step is in flight beyond the one being scheduled, in the order schedule N+1,
-        update N, schedule N+2: a pending token is known before the step after next."""
 
     # -- queue management ----------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, int, int]:
@@ -249,13 +245,12 @@ class Scheduler:
         seqs = list(scheduled.values())
         for s in seqs:
             self._fork_if_needed(s)
-        if self.async_mode:
-            for s in seqs:
-                req = s.request
-                req.num_computed_tokens = s.start + s.num_new_tokens
-                req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
-                for target in s.samplers:
-                    target.num_pending += 1
+        for s in seqs:  # the step's tokens count as computed and its samples as pending now,
+            req = s.request  # so the next step can be scheduled before this one's output is in
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
+            for target in s.samplers:
+                target.num_pending += 1
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
                                finished_ids=finished, loads=loads)
@@ -358,17 +353,14 @@ class Scheduler:
 
     # -- after the forward ---------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens (``schedule`` did already in async mode), register the step's
-        full blocks, append sampled tokens, finish sequences that hit a token-level stop.
-        Returns the sequences that received a token. A target preempted after this step was
-        scheduled (async mode) still gets its token: it was sampled from complete KV."""
+        """Register the step's full blocks, deliver its sampled (pending) tokens, finish
+        sequences that hit a token-level stop. Returns the sequences that received a token. A
+        target preempted after this step was scheduled (async scheduling) still gets its token:
+        it was sampled from complete KV."""
         got_token = []
         for s in out.seqs:
             req = s.request
             if req.status == RequestStatus.RUNNING:
-                if not self.async_mode:
-                    req.num_computed_tokens = s.start + s.num_new_tokens
-                    req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
                 self.kv.cache_blocks(req, s.start + s.num_new_tokens)
             for target in s.samplers:
                 if target.is_finished or target.request_id not in sampled:

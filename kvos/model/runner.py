@@ -14,6 +14,7 @@ from kvos.model.cuda_graphs import DecodeGraphs
 from kvos.model.loader import load_model
 from kvos.model.ops import triton_enabled
 from kvos.model.sampler import PendingSamples, SampledToken, Sampler, SampleRow
+from kvos.model.transfer import to_device
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -65,8 +66,8 @@ class ModelRunner:
         self.block_size = 0
         self._generators: dict[str, torch.Generator] = {}
         self._last_tokens: torch.Tensor | None = None
-        self._last_rows: dict[str, int] = {}
-        """Device tokens sampled by the last launch and each target's row in them."""
+        self._last_targets: list[str] = []
+        """Device tokens sampled by the last launch, and the target of each row."""
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
         """Called with (request ids, float32 logits rows) each step before sampling; a debugging
         and testing aid that must not modify the tensor."""
@@ -177,17 +178,20 @@ class ModelRunner:
         tables = np.zeros((n, max(map(len, block_lists))), np.int32)
         logit_rows, row_ids, sample_rows, targets, ids = [], [], [], [], []
         feed_dst, feed_src = [], []  # input positions whose token is still on the device
+        last_rows: dict[str, int] | None = None
         t = 0
         for i, s in enumerate(seqs):
             known = s.token_ids
             ids.extend(known)
             if len(known) < s.num_new_tokens:
+                if last_rows is None:
+                    last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
                 rid = s.request.request_id
-                if self._last_rows.get(rid) is None or s.num_new_tokens - len(known) != 1:
+                if rid not in last_rows or s.num_new_tokens - len(known) != 1:
                     raise RuntimeError(f"request {rid}: an input token is pending but was not "
                                        f"sampled by the previous step")
                 feed_dst.append(len(ids))
-                feed_src.append(self._last_rows[rid])
+                feed_src.append(last_rows[rid])
                 ids.append(0)
             tables[i, : len(block_lists[i])] = block_lists[i]
             t += s.num_new_tokens
@@ -206,7 +210,7 @@ class ModelRunner:
         # one host-to-device copy for every int64 input of the step (and one for the tables)
         packed = np.concatenate([ids, positions, slots, logit_rows, feed_dst, feed_src, seq_lens,
                                  prefill_loc]).astype(np.int64)
-        packed = self._to_device(packed)
+        packed = to_device(packed, torch.int64, self.device)
         T, L, F = len(ids), len(logit_rows), len(feed_dst)
         input_ids, pos_t, slots_t = packed[:T], packed[T : 2 * T], packed[2 * T : 3 * T]
         logit_idx = packed[3 * T : 3 * T + L]
@@ -216,19 +220,11 @@ class ModelRunner:
             input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
         rest = packed[3 * T + L + 2 * F :].to(torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=slots_t, block_tables=self._to_device(tables),
+            slot_mapping=slots_t, block_tables=to_device(tables, torch.int32, self.device),
             seq_lens=rest[:n], query_lens_list=qlens.tolist(), seq_lens_list=seq_lens.tolist(),
             num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
             max_prefill_len=int(qlens[nd:].max()) if nd < n else 0)
         return input_ids, pos_t, meta, logit_idx, row_ids, sample_rows, targets
-
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        """Host array to the device without synchronising with the work queued there (through
-        page-locked memory on a GPU; torch keeps that buffer until the copy has run)."""
-        t = torch.from_numpy(a)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
@@ -262,8 +258,7 @@ class ModelRunner:
         if self.logits_hook is not None:
             self.logits_hook(row_ids, logits)
         pending = self.sampler.launch(logits, sample_rows)
-        self._last_tokens = pending.tokens
-        self._last_rows = {rid: i for i, rid in enumerate(targets)}
+        self._last_tokens, self._last_targets = pending.tokens, targets
         return LaunchedStep(targets, pending)
 
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvos.engine.sampling_params import SamplingParams
+from kvos.model.transfer import to_device
 
 
 @dataclass
@@ -22,15 +23,6 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without a synchronising copy: on a GPU it goes through
-    page-locked memory (torch's caching host allocator keeps the buffer until the copy ran)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
