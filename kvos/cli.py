@@ -14,6 +14,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-weights", action="store_true",
                    help="draw weights at random from the model's config (benchmarks without real weights)")
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-layout", default="unified", choices=["unified", "equal_pages", "homogeneous"],
+                   help="hybrid (sliding-window) models: one pool of LCM-sized pages split per layer kind "
+                        "(unified), vLLM-style equal pages, or every layer keeping every token (homogeneous)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV pool budget (default: 2 GiB on CPU; on a GPU, profiled from --gpu-memory-utilization)")
@@ -38,7 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(model=a.model, block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
+    return dict(model=a.model, block_size=a.block_size, kv_layout=a.kv_layout,
+                enable_prefix_caching=not a.no_prefix_caching,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, num_blocks=a.num_blocks,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                 max_model_len=a.max_model_len, dtype=a.dtype, device=a.device, cpu_cache_gb=a.cpu_cache_gb,
@@ -184,6 +188,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("tiers", "tiers", "later-turn TTFT: recompute vs loading from CPU, disk, Redis", False),
     ("tier-bandwidth", "tier_bandwidth", "CPU-tier block loads into device blocks vs pinned H2D copy", False),
     ("steps", "steps", "time real engine steps (a calibration file for kvos simulate)", True),
+    ("hybrid", "hybrid", "hybrid KV layouts side by side: 32K-request capacity, waste, long-context tok/s", True),
 ]
 
 

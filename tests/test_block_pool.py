@@ -97,5 +97,6 @@ def test_fork_shares_then_copies_on_write():
         assert kv.allocate_slots(s, 1)
     copies = kv.take_copies()
     assert len(copies) == 1 and kv.counters.cow_copies == 1
-    assert kv.block_ids("p")[0] == kv.block_ids("c")[0]  # the full block stays shared
-    assert kv.block_ids("p")[1] != kv.block_ids("c")[1]
+    (p_ids,), (c_ids,) = kv.block_ids("p"), kv.block_ids("c")  # one cache group
+    assert p_ids[0] == c_ids[0]  # the full block stays shared
+    assert p_ids[1] != c_ids[1]

@@ -22,7 +22,7 @@ if not CUDA:
 
 pytest.importorskip("triton")
 
-from kvos.kernels.elementwise import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
+from kvos.kernels.elementwise import gelu_tanh_and_mul, rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
 from kvos.model import ops  # noqa: E402
 from kvos.model.config import ModelConfig  # noqa: E402
 from kvos.model.llama import RotaryEmbedding  # noqa: E402
@@ -109,6 +109,21 @@ def test_rms_norm_residual(torch_ops, t, n, dtype):
     assert_matches(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=case_id)
+@pytest.mark.parametrize("shape", [(3, 640), (17, 4, 256)], ids=str)
+def test_gemma_rms_norm_weight_first(torch_ops, shape, dtype):
+    """Gemma's norm (float32 ``1 + w`` multiplied before the one rounding), plain and per head,
+    with and without the residual, against ``ops.gemma_rms_norm``'s torch path."""
+    x = randn(*shape, dtype=dtype, scale=3.0, seed=6)
+    w = randn(shape[-1], seed=7).mul_(0.2).add_(1.0)  # float32, as Gemma keeps it
+    assert_matches(rms_norm(x, w, 1e-6, weight_first=True), torch_ops.gemma_rms_norm(x, w, 1e-6))
+    res = randn(*shape, dtype=dtype, seed=8)
+    out, res_out = rms_norm(x, w, 1e-6, res, weight_first=True)
+    ref, ref_res = torch_ops.gemma_rms_norm(x, w, 1e-6, res)
+    assert_exact(res_out, ref_res)
+    assert_matches(out, ref)
+
+
 def test_rms_norm_allocates_and_aliases(torch_ops):
     """Fresh contiguous outputs by default; in place when the outputs are the inputs."""
     x = randn(5, 80, 96, seed=6)[:, 7:71, :]  # non-contiguous [T, H, N]
@@ -183,3 +198,34 @@ def test_silu_and_mul(torch_ops, t, inter, dtype):
     assert silu_and_mul(x, out=out) is out
     assert_matches(out, ref)
     assert_matches(silu_and_mul(x), ref)
+
+
+def assert_gelu_matches(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> None:
+    """GELU(tanh)-and-mul: the module docstring's tolerance, plus what tanh's last bits (an
+    absolute error ~2^-22 where 1 + tanh cancels) and one flip of the rounded GELU value can
+    move: |up| * (2^-22 |gate| + ulp(gelu)) (bf16/fp16 only for the latter), with ulps no
+    smaller than a subnormal's."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any()
+    gate, up = x.float().chunk(2, dim=-1)
+    eps = torch.finfo(ref.dtype).eps
+    gelu = torch.nn.functional.gelu(gate, approximate="tanh").abs()
+    slack = up.abs() * (2.0 ** -22 * gate.abs() + (0.0 if ref.dtype == F32 else eps * gelu))
+    ulps = 1e-6 / eps if ref.dtype == F32 else (2 if CUDA or ref.dtype == torch.float16 else 4)
+    diff = (out.float() - ref.float()).abs()
+    spacing = torch.finfo(ref.dtype).tiny * eps  # a subnormal ulp (fp16's tiny outputs)
+    bound = ulps * eps * ref.float().abs() + slack + (ulps + up.abs()) * spacing
+    assert (diff <= bound).all(), f"max excess {(diff - bound).max().item()}"
+    if CUDA and ref.dtype != F32:
+        assert (out != ref).sum().item() <= max(2, ref.numel() // 100)
+
+
+@pytest.mark.parametrize("t,inter,dtype", SILU_CASES, ids=case_id)
+def test_gelu_tanh_and_mul(torch_ops, t, inter, dtype):
+    """Gemma's gated MLP activation, on a row-strided [gate | up] view."""
+    x = randn(t, 2 * inter + 32, dtype=dtype, scale=3.0, seed=15)[:, 16:16 + 2 * inter]
+    ref = torch_ops.gelu_tanh_and_mul(x)
+    out = torch.full((t, inter), float("nan"), dtype=dtype, device=DEVICE)
+    assert gelu_tanh_and_mul(x, out=out) is out
+    assert_gelu_matches(out, ref, x)
+    assert_gelu_matches(gelu_tanh_and_mul(x), ref, x)

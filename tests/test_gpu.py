@@ -81,10 +81,16 @@ def _teacher_forced_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens], device="cuda")).logits[0].float()
 
 
-@pytest.mark.parametrize("config,dtype,eager", [("llama-tiny", "float32", False), ("llama-tiny", "bfloat16", False),
-                                                ("llama-tiny", "bfloat16", True), ("qwen3-tiny", "float32", False),
-                                                ("qwen3-tiny", "bfloat16", False)])
-def test_random_weights_match_transformers_with_caching_chunking_preemption(config, dtype, eager):
+@pytest.mark.parametrize("config,dtype,eager,layout", [
+    ("llama-tiny", "float32", False, "unified"), ("llama-tiny", "bfloat16", False, "unified"),
+    ("llama-tiny", "bfloat16", True, "unified"), ("qwen3-tiny", "float32", False, "unified"),
+    ("qwen3-tiny", "bfloat16", False, "unified"),
+    # hybrid models: sliding-window layers read only their window's blocks, from their own tables
+    ("gemma-3-tiny", "float32", False, "unified"), ("gemma-3-tiny", "bfloat16", False, "unified"),
+    ("gemma-3-tiny", "bfloat16", True, "unified"), ("gemma-3-tiny", "bfloat16", False, "equal_pages"),
+    ("gemma-3-tiny", "bfloat16", False, "homogeneous"), ("mistral-tiny-sliding", "float32", False, "unified"),
+    ("mistral-tiny-sliding", "bfloat16", False, "unified")])
+def test_random_weights_match_transformers_with_caching_chunking_preemption(config, dtype, eager, layout):
     """Greedy outputs of the Triton/CUDA-graph engine against transformers on the same random
     weights, with a shared prefix (prefix-cache hits on the second pass), chunked prefill
     (64-token budget) and a pool small enough to preempt. Logits are compared teacher-forced:
@@ -96,10 +102,16 @@ def test_random_weights_match_transformers_with_caching_chunking_preemption(conf
     from kvos.model.hf_bridge import hf_model_sharing_weights
     from kvos.model.loader import load_model, resolve_config_path
 
+    from kvos.cache import KVCacheManager, build_layout
+
     path = resolve_config_path(config)
-    hf32 = hf_model_sharing_weights(load_model(path, torch.float32, torch.device("cuda"), True)[1])
-    llm = LLM(model=config, random_weights=True, device="cuda", dtype=dtype, num_blocks=40,
-              block_size=16, max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=eager)
+    model32 = load_model(path, torch.float32, torch.device("cuda"), True)[1]
+    hf32 = hf_model_sharing_weights(model32)
+    c = model32.cfg
+    pages = KVCacheManager(build_layout(c.layer_windows(), 16, c.num_kv_heads, c.head_dim, "float32", layout),
+                           2).pages_for_tokens(324, 64)
+    llm = LLM(model=config, random_weights=True, device="cuda", dtype=dtype, num_blocks=pages + 4,  # preempts
+              block_size=16, max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=eager, kv_layout=layout)
     assert (llm.engine.runner.graphs is None) == eager
     hf_same = hf32 if dtype == "float32" else hf_model_sharing_weights(llm.engine.runner.model)
     g = torch.Generator().manual_seed(2)
@@ -141,7 +153,7 @@ def test_kv_pool_sized_by_profiling():
 
     free0, total = torch.cuda.mem_get_info()
     llm = LLM(model="llama-tiny", random_weights=True, device="cuda", gpu_memory_utilization=0.3)
-    kv_bytes = llm.engine.runner.kv_caches.numel() * llm.engine.runner.kv_caches.element_size()
+    kv_bytes = llm.engine.runner.kv_buffer.numel()
     used_after = total - torch.cuda.mem_get_info()[0]
     assert kv_bytes > 0.15 * total  # most of the 30% goes to the KV pool: a tiny model and activations
     assert used_after <= 0.3 * total + (total - free0)  # within the budget (plus what was used before)

@@ -51,18 +51,26 @@ class Paged:
     """Random caches and random (permuted) block tables for sequences of the given lengths.
 
     The caches are ``[layer 1, 0]`` and ``[layer 1, 1]`` of a ``[2, 2, blocks, block_size, KVH,
-    D]`` tensor as in the engine. Every slot, the null block 0 and the slots past each sequence's
-    length included, holds random data, so reading the wrong key changes the result.
+    D]`` tensor, or with ``page_major`` ``[:, layer 1, 0]`` and ``[:, layer 1, 1]`` of a
+    ``[blocks, 3, 2, block_size, KVH, D]`` pool (one block holds all layers of a layer group, so
+    the block stride is 6 blocks' worth). Every slot, the null block 0 and the slots past each
+    sequence's length included, holds random data, so reading the wrong key changes the result.
     """
 
     def __init__(self, seq_lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype,
-                 gen: torch.Generator, num_kv_heads: int = NUM_KV_HEADS, spare_columns: int = 2):
+                 gen: torch.Generator, num_kv_heads: int = NUM_KV_HEADS, spare_columns: int = 2,
+                 page_major: bool = False):
         self.seq_lens, self.block_size = seq_lens, block_size
         counts = [-(-n // block_size) for n in seq_lens]
         num_blocks = 1 + sum(counts) + 3
-        kv = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-        kv = kv.to(DEVICE, dtype)
-        self.k_cache, self.v_cache = kv[1, 0], kv[1, 1]
+        if page_major:
+            kv = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, generator=gen)
+            kv = kv.to(DEVICE, dtype)
+            self.k_cache, self.v_cache = kv[:, 1, 0], kv[:, 1, 1]
+        else:
+            kv = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+            kv = kv.to(DEVICE, dtype)
+            self.k_cache, self.v_cache = kv[1, 0], kv[1, 1]
         ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         self.block_tables = torch.zeros(len(seq_lens), max(counts, default=0) + spare_columns,
                                         dtype=torch.int32)
@@ -70,20 +78,31 @@ class Paged:
             self.block_tables[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
             ids = ids[n:]
         self.block_tables = self.block_tables.to(DEVICE)
+        self.full_tables = self.block_tables.clone()
         self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+
+    def drop_blocks_before(self, first_keys: list[int]) -> None:
+        """Point sequence s's blocks wholly before key ``first_keys[s]`` at the null block 0, as
+        an engine freeing blocks that slid out of every window, and fill block 0 with NaN, so a
+        kernel that reads any of them returns NaN. ``context`` still sees the original blocks."""
+        for s, first in enumerate(first_keys):
+            self.block_tables[s, : max(0, first) // self.block_size] = 0
+        self.k_cache[0] = float("nan")
+        self.v_cache[0] = float("nan")
 
     def context(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``seq``'s keys and values in position order, float64 ``[len, KVH, D]``."""
         pos = torch.arange(self.seq_lens[seq], device=DEVICE)
-        blocks = self.block_tables[seq, pos // self.block_size].long()
+        blocks = self.full_tables[seq, pos // self.block_size].long()
         offsets = pos % self.block_size
         return (self.k_cache[blocks, offsets].double(), self.v_cache[blocks, offsets].double())
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
-              scale: float, chunk: int = 256) -> torch.Tensor:
+              scale: float, chunk: int = 256, window: int | None = None) -> torch.Tensor:
     """float64 attention of q ``[n, H, D]`` at positions q_pos over keys/values ``[L, KVH, D]``:
-    query at position p sees keys ``0 .. p``; query head h reads kv head ``h // (H // KVH)``."""
+    query at position p sees keys ``0 .. p``, with a window only keys ``p - window < j <= p``;
+    query head h reads kv head ``h // (H // KVH)``."""
     group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1)
     v = values.repeat_interleave(group, dim=1)
@@ -92,7 +111,10 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     for i in range(0, q.shape[0], chunk):
         qc, pc = q[i : i + chunk].double(), q_pos[i : i + chunk]
         s = torch.einsum("nhd,lhd->hnl", qc, k) * scale
-        s = s.masked_fill(key_pos[None, None, :] > pc[None, :, None], float("-inf"))
+        hidden = key_pos[None, :] > pc[:, None]
+        if window:
+            hidden |= key_pos[None, :] <= pc[:, None] - window
+        s = s.masked_fill(hidden[None], float("-inf"))
         outs.append(torch.einsum("hnl,lhd->nhd", s.softmax(-1), v))
     return torch.cat(outs)
 
@@ -102,30 +124,40 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def decode_reference(paged: Paged, q: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_reference(paged: Paged, q: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     rows = []
     for b, n in enumerate(paged.seq_lens):
         keys, values = paged.context(b)
-        rows.append(reference(q[b : b + 1], keys, values, torch.tensor([n - 1], device=DEVICE), scale))
+        pos = torch.tensor([n - 1], device=DEVICE)
+        rows.append(reference(q[b : b + 1], keys, values, pos, scale, window=window))
     return torch.cat(rows)
 
 
-def run_decode(seq_lens, group, head_dim, block_size, dtype, seed, num_splits=None):
+def run_decode(seq_lens, group, head_dim, block_size, dtype, seed, num_splits=None, window=None,
+               page_major=False):
+    """With a window, blocks wholly before each sequence's window are dropped to a NaN block 0."""
     gen = torch.Generator().manual_seed(seed)
-    paged = Paged(seq_lens, block_size, head_dim, dtype, gen)
+    paged = Paged(seq_lens, block_size, head_dim, dtype, gen, page_major=page_major)
+    if window:
+        paged.drop_blocks_before([n - window for n in seq_lens])
     q = torch.randn(len(seq_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(DEVICE, dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     res = paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables,
-                                 paged.seq_lens_t, scale, out=out, num_splits=num_splits)
+                                 paged.seq_lens_t, scale, out=out, num_splits=num_splits,
+                                 window=window)
     assert res is out
-    return out, decode_reference(paged, q, scale)
+    return out, decode_reference(paged, q, scale, window)
 
 
-def run_prefill(seqs, group, head_dim, block_size, dtype, seed):
-    """seqs: (query length, total length) per sequence."""
+def run_prefill(seqs, group, head_dim, block_size, dtype, seed, window=None, page_major=False):
+    """seqs: (query length, total length) per sequence. With a window, blocks wholly before the
+    window of each sequence's first new token are dropped to a NaN block 0."""
     gen = torch.Generator().manual_seed(seed)
-    paged = Paged([n for _, n in seqs], block_size, head_dim, dtype, gen)
+    paged = Paged([n for _, n in seqs], block_size, head_dim, dtype, gen, page_major=page_major)
+    if window:
+        paged.drop_blocks_before([n - q_len - window + 1 for q_len, n in seqs])
     num_heads = NUM_KV_HEADS * group
     total = sum(q for q, _ in seqs)
     # q is a strided view, as when it is split off a fused QKV projection.
@@ -139,13 +171,14 @@ def run_prefill(seqs, group, head_dim, block_size, dtype, seed):
     out = torch.full_like(q, float("nan"))
     res = paged_prefill_attention(q, paged.k_cache, paged.v_cache, paged.block_tables,
                                   query_start_loc, paged.seq_lens_t, max(q for q, _ in seqs), scale,
-                                  out=out)
+                                  out=out, window=window)
     assert res is out
     refs = []
     for s, (q_len, n) in enumerate(seqs):
         keys, values = paged.context(s)
         pos = torch.arange(n - q_len, n, device=DEVICE)
-        refs.append(reference(q[starts[s] : starts[s + 1]], keys, values, pos, scale))
+        q_seq = q[starts[s] : starts[s + 1]]
+        refs.append(reference(q_seq, keys, values, pos, scale, window=window))
     return out, torch.cat(refs)
 
 
@@ -198,6 +231,26 @@ def test_write_kv_writes_its_slots_and_nothing_else(block_size, cache_dtype, slo
     flat[0, slots[kept]] = k[kept.to(DEVICE)].to(cache_dtype)
     flat[1, slots[kept]] = v[kept.to(DEVICE)].to(cache_dtype)
     assert torch.equal(kv, expected)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_write_kv_into_page_major_view(block_size):
+    """The caches as ``[:, layer, 0]`` / ``[:, layer, 1]`` views of a page-major pool ``[blocks,
+    layers, 2, block_size, KVH, D]``: the writes land in that layer's slots, and nowhere else."""
+    gen = torch.Generator().manual_seed(block_size)
+    head_dim, tokens, num_blocks = 64, 13, 1 + -(-26 // block_size)
+    pool = torch.randn(num_blocks, 3, 2, block_size, NUM_KV_HEADS, head_dim, generator=gen)
+    pool = pool.to(DEVICE)
+    before = pool.clone()
+    k, v = torch.randn(2, tokens, NUM_KV_HEADS, head_dim, generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    write_kv(k, v, pool[:, 1, 0], pool[:, 1, 1], slots.to(DEVICE))
+
+    expected = before.clone()
+    blocks, offsets = slots // block_size, slots % block_size
+    expected[blocks, 1, 0, offsets] = k
+    expected[blocks, 1, 1, offsets] = v
+    assert torch.equal(pool, expected)
 
 
 # ----------------------------------------------------------------------------------------- decode
@@ -354,3 +407,60 @@ def test_shapes_are_checked():
     with pytest.raises(AssertionError):
         paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables,
                                paged.seq_lens_t, 0.1)
+
+
+# --------------------------------------------------------------------------------- sliding window
+
+
+def window_grid() -> list:
+    """Window (None, a single token, inside one block, a few blocks, longer than any context) x
+    GQA group x head_dim (256: Gemma 3's) x dtype x cache layout (page-major: strided views of a
+    pool), kept small for the interpreter."""
+    configs = [(4, 64, torch.float32, False, (None, 1, 5, 48, 1000)),
+               (2, 256, torch.float32, True, (None, 5, 48, 1000)),
+               (2, 128, torch.float16, True, (5, 48))]
+    params = []
+    for group, head_dim, dtype, page_major, windows in configs:
+        for window in windows:
+            name = f"w{window}-g{group}-d{head_dim}-{str(dtype)[6:]}" + ("-pagemajor" * page_major)
+            params.append(pytest.param(window, group, head_dim, dtype, page_major, id=name))
+    return params
+
+
+WINDOW_GRID = window_grid()
+
+
+@pytest.mark.parametrize("window,group,head_dim,dtype,page_major", WINDOW_GRID)
+def test_decode_sliding_window(window, group, head_dim, dtype, page_major):
+    """Each token sees its last ``window`` keys; windows end mid-block, and the table points
+    blocks before the window at a NaN block 0 (so reading one fails). The splits divide the
+    window, from one split to more splits than the window has tiles."""
+    lens = [1, 17, 70, 131]  # block 16: 70 - 5, 131 - 5, 70 - 48, 131 - 48 all fall mid-block
+    for num_splits in (None, 3, 8):  # None: 1 here (direct write)
+        out, ref = run_decode(lens, group, head_dim, 16, dtype, seed=21, num_splits=num_splits,
+                              window=window, page_major=page_major)
+        assert rel_err(out, ref) <= TOL[dtype], num_splits
+
+
+@pytest.mark.parametrize("window,group,head_dim,dtype,page_major", WINDOW_GRID)
+def test_prefill_sliding_window(window, group, head_dim, dtype, page_major):
+    """A mixed batch: decodes, whole prompts, and chunks over cached prefixes longer than the
+    window, whose first token's window starts mid-block; blocks before it point at a NaN block 0.
+    With head_dim 256 (16-key tiles in fp32) the 48 window leaves whole tiles that every row of a
+    query tile sees, so the masked-below, unmasked and masked-above ranges all run."""
+    seqs = [(1, 1), (1, 35), (16, 16), (17, 17), (15, 47), (20, 120), (40, 75)]
+    out, ref = run_prefill(seqs, group, head_dim, 16, dtype, seed=23, window=window,
+                           page_major=page_major)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_window_larger_than_context_is_full_attention():
+    """A window covering every context gives full causal attention up to rounding."""
+    lens = [3, 40, 77]
+    full, _ = run_decode(lens, 2, 64, 16, torch.float32, seed=5, num_splits=2)
+    windowed, _ = run_decode(lens, 2, 64, 16, torch.float32, seed=5, num_splits=2, window=77)
+    assert rel_err(windowed, full.double()) <= 1e-6
+    seqs = [(3, 3), (20, 40), (1, 77)]
+    full, _ = run_prefill(seqs, 2, 64, 16, torch.float32, seed=5)
+    windowed, _ = run_prefill(seqs, 2, 64, 16, torch.float32, seed=5, window=77)
+    assert rel_err(windowed, full.double()) <= 1e-6

@@ -48,9 +48,9 @@ class KVMachine(RuleBasedStateMachine):
 
     # -- helpers ---------------------------------------------------------------------------
     def _compute(self, seq: Seq, start: int, end: int) -> None:
-        for src, dst in self.kv.take_copies():
+        for _group, src, dst in self.kv.take_copies():
             self.memory[dst] = dict(self.memory.get(src, {}))
-        table = self.kv.group.tables[seq.request_id]
+        table = self.kv.block_tables(seq.request_id)[0]
         for pos in range(start, end):
             block = table[pos // self.bs]
             assert block.ref_cnt >= 1 and not block.is_null
@@ -73,7 +73,7 @@ class KVMachine(RuleBasedStateMachine):
             self._compute(seq, hit_tokens, seq.num_tokens)
             self.active.append(seq)
         else:
-            assert seq.request_id not in self.kv.group.tables
+            assert not self.kv.block_tables(seq.request_id)[0]
 
     @precondition(lambda self: self.active)
     @rule(i=st.integers(0, 100), more=tokens_st)
@@ -106,7 +106,7 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.allocate_slots(seq, seq.num_tokens - hit_tokens, hit)
         self.kv.take_copies()
         self.kv.free(seq)  # aborted before its step ran: nothing of it may stay referenced
-        for block in self.kv.group.tables.get(seq.request_id, []):
+        for block in self.kv.block_tables(seq.request_id)[0]:
             raise AssertionError(f"{block} still in an aborted table")
 
     @rule()
@@ -122,7 +122,7 @@ class KVMachine(RuleBasedStateMachine):
         assert u.total == u.free + u.cached + u.used
         refs: dict[int, int] = {}
         for seq in self.active:
-            for b in self.kv.group.tables[seq.request_id]:
+            for b in self.kv.block_tables(seq.request_id)[0]:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         assert u.used == len(refs)
         for block in self.kv.pool.blocks[1:]:
@@ -135,7 +135,7 @@ class KVMachine(RuleBasedStateMachine):
         if not hasattr(self, "kv"):
             return
         for seq in self.active:
-            table = self.kv.group.tables[seq.request_id]
+            table = self.kv.block_tables(seq.request_id)[0]
             for pos in range(seq.num_computed_tokens):
                 got = self.memory.get(table[pos // self.bs].block_id, {}).get(pos % self.bs)
                 assert got == (seq.cache_salt, seq.all_token_ids[pos]), (seq.request_id, pos)

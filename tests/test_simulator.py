@@ -183,3 +183,104 @@ def test_calibrating_on_measured_cpu_steps_predicts_them(llm, tmp_path):
     assert predicted == pytest.approx(measured, rel=1e-6)
     assert model.mem_scale > 0 and model.compute_scale > 0
     assert any(s["num_tokens"] > 100 for s in steps) and any(s["num_tokens"] < 10 for s in steps)
+
+
+def kvos_main(capsys, *args: str) -> tuple[int, str, str]:
+    from kvos.cli import main
+
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+HYBRID = ("simulate", "--synthetic", "--model", "gemma-3-270m", "--gpu", "L4", "--cache-gb", "0.25",
+          "--max-num-batched-tokens", "1024", "--json")
+
+
+def test_hybrid_unified_layout_admits_more_than_homogeneous(capsys):
+    """Gemma 3 270M (15 of 18 layers slide over 512 tokens), a burst of 1-3K-token prompts, the
+    same 0.25 GiB of KV: the unified layout keeps only the window in sliding layers, so it runs
+    about twice the requests at once, preempts less and finishes sooner; same hit rate (none)."""
+    work = ("--num-requests", "40", "--rate", "1000", "--input-len", "1024:3072", "--output-len", "128:256")
+    runs = {}
+    for layout in ("unified", "equal_pages", "homogeneous"):
+        rc, out, err = kvos_main(capsys, *HYBRID, *work, "--kv-layout", layout)
+        assert rc == 0, err
+        runs[layout] = json.loads(out)
+    u, e, h = runs["unified"], runs["equal_pages"], runs["homogeneous"]
+    assert u["kv_layout"] == "unified" and len(u["kv_groups"]) == 2 and len(u["group_peak_blocks"]) == 2
+    assert len(e["kv_groups"]) == 6 and len(h["kv_groups"]) == 1
+    # 0.25 GiB: 1092 large pages of 245,760 B (5 full-attention or 1 sliding block each) vs 910 pages
+    assert (u["num_blocks"], u["page_bytes"], h["num_blocks"], h["page_bytes"]) == (1092, 245_760, 910, 294_912)
+    assert u["running_mean"] > 1.8 * h["running_mean"] and u["running_peak"] > h["running_peak"]
+    assert u["preemptions"] < h["preemptions"] and u["makespan_s"] < 0.7 * h["makespan_s"]
+    assert u["token_hit_rate"] >= h["token_hit_rate"]
+    assert u["num_requests"] == h["num_requests"] == 40 and u["rejected_requests"] == 0
+    # KV waste: sliding layers of the homogeneous layout keep every token past the window
+    assert u["kv_waste_mean"] < 0.1 and e["kv_waste_mean"] < 0.1 and h["kv_waste_mean"] > 0.5
+    assert u["kv_utilization"] > 0.9 > 0.5 > h["kv_utilization"]
+    assert max(u["group_peak_blocks"]) <= 1091 * 5 and h["group_peak_blocks"][0] <= 909
+
+
+def test_hybrid_layouts_agree_on_hits_when_memory_is_ample(capsys):
+    """Shared system prompts: with room for everything, every layout serves the same prefix hits
+    (a sliding group's hit needs only the window's blocks)."""
+    work = ("--num-requests", "60", "--rate", "20", "--input-len", "256:2048", "--output-len", "64:256",
+            "--system-prompt-len", "1024", "--num-system-prompts", "4")
+    rates = {}
+    for layout in ("unified", "homogeneous"):
+        rc, out, err = kvos_main(capsys, *HYBRID, *work, "--kv-layout", layout, "--cache-gb", "0.5")
+        assert rc == 0, err
+        r = json.loads(out)
+        rates[layout] = r["token_hit_rate"]
+    assert rates["unified"] == rates["homogeneous"] > 0.4
+
+
+@pytest.mark.xfail(strict=True, reason="kvos/cache: under memory pressure the cross-group LRU evicts a shared "
+                   "prefix's sliding-window blocks (released as requests pass them) while its full-attention blocks "
+                   "stay referenced, so new requests miss the prefix (unified 0.31 vs homogeneous 0.42)")
+def test_hybrid_unified_hit_rate_under_pressure_with_shared_prompts(capsys):
+    work = ("--num-requests", "60", "--rate", "20", "--input-len", "256:2048", "--output-len", "64:256",
+            "--system-prompt-len", "1024", "--num-system-prompts", "4")
+    rates = {}
+    for layout in ("unified", "homogeneous"):
+        rc, out, err = kvos_main(capsys, *HYBRID, *work, "--kv-layout", layout)
+        assert rc == 0, err
+        rates[layout] = json.loads(out)["token_hit_rate"]
+    assert rates["unified"] >= rates["homogeneous"]
+
+
+def test_hybrid_mooncake_trace_and_text_report(capsys):
+    rc, out, err = kvos_main(capsys, "simulate", "--trace", str(DATA / "mooncake_conversation.jsonl.gz"),
+                             "--limit", "100", "--block-size", "512", "--model", "gemma-3-270m", "--cache-gb", "1")
+    assert rc == 0, err
+    assert "unified: full x 3 layers, 5/page; sliding 512 x 15 layers, 1/page" in out
+    assert "mean waste" in out and "group peak blocks" in out and "concurrency" in out
+
+
+def test_hybrid_simulate_errors(capsys):
+    base = ("simulate", "--synthetic", "--num-requests", "5", "--model", "gemma-3-270m")
+    rc, _, err = kvos_main(capsys, *base, "--eviction-policy", "belady", "--cache-blocks", "100")
+    assert rc == 2 and "belady" in err and "single cache group" in err
+    rc, _, err = kvos_main(capsys, *base, "--cache-tokens", "10000")
+    assert rc == 2 and "cache_tokens" in err
+    rc, _, err = kvos_main(capsys, *base, "--allocator", "contiguous", "--kv-layout", "unified")
+    assert rc == 2 and "homogeneous" in err
+    rc, out, err = kvos_main(capsys, *base, "--allocator", "contiguous", "--max-model-len", "2048", "--json")
+    assert rc == 0 and json.loads(out)["kv_layout"] == "homogeneous", err
+    # Belady still runs on a single group: the homogeneous layout of the same model
+    rc, out, err = kvos_main(capsys, *base, "--kv-layout", "homogeneous", "--eviction-policy", "belady",
+                             "--cache-blocks", "100", "--json")
+    assert rc == 0 and json.loads(out)["eviction_policy"] == "belady", err
+
+
+def test_window_pairs_and_windowed_cost():
+    from kvos.sim.simulator import window_pairs
+
+    for start, end, w in [(0, 10, 4), (3, 9, 4), (5, 7, 4), (0, 3, 8), (2, 30, 7), (0, 0, 5)]:
+        assert window_pairs(start, end, w) == sum(min(p + 1, w) for p in range(start, end))
+    gemma = CostModel.for_model(PRESETS["gemma-3-270m"], GPUS["L4"])
+    assert (gemma.sliding_window, gemma.sliding_fraction) == (512, 15 / 18)
+    dense = gemma.step_time(1, 8192, 8192)
+    assert gemma.step_time(1, 8192, 8192, 512, 512) < dense == gemma.step_time(1, 8192, 8192, 8192, 8192)
+    assert COST.step_time(1, 8192, 8192, 512, 512) == COST.step_time(1, 8192, 8192)  # no sliding layers

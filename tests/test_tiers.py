@@ -207,7 +207,7 @@ def kv_runner(num_blocks: int = 10):
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.device, runner.dtype = torch.device("cpu"), torch.float32
-    runner.kv_caches = torch.randn(2, 2, num_blocks, 4, 2, 8)
+    runner.group_caches = [torch.randn(num_blocks, 2, 2, 4, 2, 8)]  # page-major: [blocks, layers, K/V, ...]
     return runner
 
 
@@ -227,12 +227,12 @@ def test_batched_load_copies_before_promotions_evict_slots(tmp_path):
     # stored in the order 3, 4, 1, 2: the CPU tier keeps the last two, blocks 1 and 2
     tio.store([keys[2], keys[3], keys[0], keys[1]], runner.read_blocks([3, 4, 1, 2]), evicted=False)
     assert [cpu.contains(k) for k in keys] == [True, True, False, False]
-    expected = runner.kv_caches[:, :, 1:5].clone()
+    expected = runner.group_caches[0][1:5].clone()
     loaded = tio.fetch(keys)
     assert loaded.sources == ["cpu", "cpu", "disk", "disk"] and loaded.rows.shape == (4, bb)
     assert [cpu.contains(k) for k in keys] == [False, False, True, True]  # promoted afterwards
     tio.install(loaded, [6, 7, 8, 9])
-    assert torch.equal(runner.kv_caches[:, :, 6:10], expected)
+    assert torch.equal(runner.group_caches[0][6:10], expected)
     cpu.corrupt(keys[2])  # a bad CPU copy falls through to the disk copy
     assert tio.fetch(keys[2:3]).sources == ["disk"] and cpu.stats.checksum_failures == 1
     partial = tio.fetch([keys[2], b"?" * 16, keys[3]])  # stops at the first miss

@@ -94,7 +94,8 @@ def decode_micro(llm, cost, ceilings, batches: list[int], contexts: list[int]) -
 
     runner = llm.engine.runner
     g = runner.graphs
-    nb = llm.engine.kv.pool.num_blocks
+    nb = min(p.num_blocks for p in llm.engine.kv.pools)
+    groups = len(llm.engine.kv.pools)
     bs = runner.block_size
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -103,10 +104,10 @@ def decode_micro(llm, cost, ceilings, batches: list[int], contexts: list[int]) -
             blocks = -(-ctx // bs)
             if g is None or not g.can_run(b, blocks):
                 continue
-            tables = torch.randint(1, nb, (b, blocks), dtype=torch.int32, device="cuda", generator=gen)
+            tables = torch.randint(1, nb, (groups, b, blocks), dtype=torch.int32, device="cuda", generator=gen)
             seq_lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
             pos = torch.full((b,), ctx - 1, dtype=torch.long, device="cuda")
-            slots = tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs
+            slots = tables[:, :, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs
             ids = torch.randint(3, runner.cfg.vocab_size, (b,), device="cuda", generator=gen)
 
             def step():
@@ -186,8 +187,7 @@ def run(a: argparse.Namespace) -> dict:
     llm = LLM(**kw)
     eng = llm.engine
     result.update(startup_seconds=time.perf_counter() - t0, async_scheduling=eng.async_scheduling,
-                  kv_pool_blocks=eng.kv.pool.num_blocks,
-                  kv_pool_GiB=eng.runner.kv_caches.numel() * eng.runner.kv_caches.element_size() / 2**30)
+                  kv_pool_pages=eng.kv.pages.num_pages, kv_pool_GiB=eng.runner.kv_buffer.numel() / 2**30)
     llm.generate([{"prompt_token_ids": [5] * 64}], use_tqdm=False)  # warm-up: kernels compiled
     for name, reqs, _, _ in workloads:
         row = result["workloads"][name]

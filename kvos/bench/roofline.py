@@ -38,16 +38,33 @@ def measure_ceilings(device: str = "cuda") -> dict:
     return {"hbm_GBps": 2 * n / copy_ms / 1e6, "bf16_gemm_TFLOPs": 2 * m**3 / gemm_ms / 1e9}
 
 
+def causal_pairs(start: int, end: int, window: int | None) -> int:
+    """(query, key) pairs of queries at positions ``start .. end-1``, each seeing ``p + 1`` keys
+    or at most ``window``."""
+    if window is None:
+        window = end
+    m = min(max(start, window), end)
+    return (m * (m + 1) - start * (start + 1)) // 2 + (end - m) * window
+
+
 @dataclass
 class ModelCost:
     """Bytes and FLOPs of a decoder step: every weight read once per step (the embedding table
     excepted: only its used rows), K/V read once per sequence, 2 FLOPs per weight per token, and
-    4 * heads * head_dim FLOPs per (query, key) pair per layer."""
+    4 * heads * head_dim FLOPs per (query, key) pair per layer. A sliding-window layer counts
+    only the keys inside its window (what it must read)."""
 
     weight_bytes: int
     matmul_params: int
-    kv_bytes_per_token: int
-    attn_flops_per_pair: int
+    kv_bytes_per_token: int  # per token, all layers
+    attn_flops_per_pair: int  # per (query, key) pair, all layers
+    layer_windows: tuple[int | None, ...] = ()
+
+    def _keys(self, context: int) -> float:
+        """Keys read per layer, averaged over layers (context, or the window)."""
+        if not self.layer_windows:
+            return context
+        return sum(context if w is None else min(context, w) for w in self.layer_windows) / len(self.layer_windows)
 
     @classmethod
     def of(cls, model, dtype_bytes: int) -> ModelCost:
@@ -58,19 +75,22 @@ class ModelCost:
         total = sum(params.values())
         return cls(weight_bytes=total * dtype_bytes, matmul_params=total,
                    kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes,
-                   attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
+                   attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
+                   layer_windows=tuple(cfg.layer_windows()))
 
     def decode_seconds(self, contexts: list[int], ceilings: dict) -> float:
         """Roofline time of a decode step over sequences of these context lengths."""
-        kv_read = sum(contexts) * self.kv_bytes_per_token
-        flops = 2 * self.matmul_params * len(contexts) + self.attn_flops_per_pair * sum(contexts)
+        keys = sum(self._keys(c) for c in contexts)
+        kv_read = keys * self.kv_bytes_per_token
+        flops = 2 * self.matmul_params * len(contexts) + self.attn_flops_per_pair * keys
         return max((self.weight_bytes + kv_read) / (ceilings["hbm_GBps"] * 1e9),
                    flops / (ceilings["bf16_gemm_TFLOPs"] * 1e12))
 
     def prefill_flops(self, new_tokens: int, context_after: int) -> float:
         """A chunk of ``new_tokens`` ending at ``context_after`` tokens (causal pairs only)."""
         start = context_after - new_tokens
-        pairs = new_tokens * start + new_tokens * (new_tokens + 1) // 2
+        windows = self.layer_windows or (None,)
+        pairs = sum(causal_pairs(start, context_after, w) for w in windows) / len(windows)
         return 2 * self.matmul_params * new_tokens + self.attn_flops_per_pair * pairs
 
 

@@ -37,10 +37,10 @@ def run(a: argparse.Namespace) -> dict:
     cuda = dev.type == "cuda"
     runner = ModelRunner.__new__(ModelRunner)  # only the KV tensor and its block copies are needed
     runner.device, runner.dtype = dev, torch.bfloat16
-    runner.kv_caches = torch.zeros(a.layers, 2, a.blocks + 1, a.block_size, a.kv_heads, a.head_dim,
-                                   dtype=torch.bfloat16, device=dev)
-    runner.kv_caches.normal_()
-    expected = runner.kv_caches[:, :, 1:].clone()
+    kv = torch.zeros(a.blocks + 1, a.layers, 2, a.block_size, a.kv_heads, a.head_dim, dtype=torch.bfloat16,
+                     device=dev)
+    runner.group_caches = [kv.normal_()]  # one cache group, page-major
+    expected = kv[1:].clone()
     bb = runner.block_bytes
     tier = CPUTier(2 * bb * (a.blocks + 8), PinnedAllocator()) if cuda else CPUTier(2 * bb * (a.blocks + 8))
     tier_io = TierIO(TierHierarchy([tier]), runner, a.verify_threads)
@@ -60,7 +60,7 @@ def run(a: argparse.Namespace) -> dict:
         io.submit(tier_io.store, keys, rows, False).result()
         store_s = time.perf_counter() - t0
         del rows
-        runner.kv_caches[:, :, 1:].zero_()
+        kv[1:].zero_()
         # load path, as a LOADING request runs it: fetch on the I/O thread, install on this one
         times = []
         for _ in range(a.repeats + 1):
@@ -83,7 +83,7 @@ def run(a: argparse.Namespace) -> dict:
               "tier_load_GBps": total / load_s / 1e9,
               "tier_load_ms": load_s * 1e3, "store_GBps": total / store_s / 1e9,
               "checksum_GBps": total / checksum_s / 1e9,
-              "verified": bool(torch.equal(runner.kv_caches[:, :, 1:], expected))}
+              "verified": bool(torch.equal(kv[1:], expected))}
     if cuda:
         host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty(total, dtype=torch.uint8, device=dev)

@@ -2,9 +2,12 @@
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
 from kvos.cache.block_pool import BlockPool
 from kvos.cache.kv_manager import KVCacheManager
+from kvos.cache.layout import CacheGroup, CacheLayout, build_layout
+from kvos.cache.page_pool import LargePagePool
 from kvos.cache.prefix_index import PrefixIndex
-from kvos.cache.spec import FullAttentionSpec
+from kvos.cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvos.cache.stats import CacheCounters, CacheUsage
 
-__all__ = ["BlockHash", "BlockPool", "CacheCounters", "CacheUsage", "FreeBlockQueue",
-           "FullAttentionSpec", "KVBlock", "KVCacheManager", "PrefixIndex"]
+__all__ = ["BlockHash", "BlockPool", "CacheCounters", "CacheGroup", "CacheLayout", "CacheUsage",
+           "FreeBlockQueue", "FullAttentionSpec", "KVBlock", "KVCacheManager", "KVCacheSpec",
+           "LargePagePool", "PrefixIndex", "SlidingWindowSpec", "build_layout"]

@@ -83,6 +83,12 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self._len -= 1
 
+    def peekleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free blocks")
+        return block
+
     def popleft(self) -> KVBlock:
         block = self._head.next_free
         if block is self._tail or block is None:

@@ -1,44 +1,76 @@
-"""The block pool: every physical block, their reference counts, and eviction order."""
+"""One cache group's blocks: reference counts, the prefix index and eviction order."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
 from kvos.cache.eviction import EvictionPolicy, LRUPolicy
+from kvos.cache.page_pool import LargePagePool
 from kvos.cache.prefix_index import PrefixIndex
 from kvos.cache.stats import CacheCounters, CacheUsage
 
 
-class BlockPool:
-    """Owns ``num_blocks`` blocks; block 0 is the null block (padding for block tables).
+class LogicalClock:
+    """A counter shared by the groups of one pool, so recency compares across groups."""
 
-    Unreferenced blocks with no cached content (``plain_free``) are reused first; unreferenced
-    cached blocks wait in the eviction policy (LRU by default) until evicted. Callers free a
-    request's blocks tail first, so under LRU a chain's tail is evicted before its parent.
+    def __init__(self) -> None:
+        self.now = 0
+
+    def tick(self) -> int:
+        self.now += 1
+        return self.now
+
+
+class BlockPool:
+    """The blocks of one cache group, drawn from large pages of a shared ``LargePagePool``.
+
+    Block ``i`` is small page ``i % per_page`` of large page ``i // per_page``; block 0 (in
+    page 0) is the group's null block, padding for block tables. Unreferenced blocks with no
+    cached content (``plain_free``) are reused first; a large page whose small pages are all
+    plain free goes back to the shared pool at once. Unreferenced cached blocks wait in the
+    eviction policy (LRU by default) until evicted. Callers free a request's blocks tail first,
+    so under LRU a chain's tail is evicted before its parent.
 
     Safety rules:
     - ``get_new_blocks`` only ever hands out blocks with ``ref_cnt == 0``: a referenced block is
       never evicted or overwritten.
-    - ``cache_full_block`` only after every slot of the block has been (or is being, this step)
-      written; a cached block is immutable until evicted.
+    - ``cache_full_block`` only after every slot of the block has been (or is being, by a step
+      already launched) written; a cached block is immutable until evicted.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True,
+    def __init__(self, num_blocks: int | None = None, enable_caching: bool = True,
                  index: PrefixIndex | None = None, counters: CacheCounters | None = None,
-                 policy: EvictionPolicy | None = None) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
-        self.num_blocks = num_blocks
+                 policy: EvictionPolicy | None = None, pages: LargePagePool | None = None,
+                 per_page: int = 1, group: int = 0, clock: LogicalClock | None = None,
+                 chain_order: bool = True) -> None:
+        if pages is None:
+            if num_blocks is None:
+                raise ValueError("BlockPool needs num_blocks or a shared page pool")
+            if num_blocks < 2:
+                raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
+            pages = LargePagePool(num_blocks)
+        self.pages = pages
+        self.per_page = per_page
+        self.group = group
+        self.num_blocks = pages.num_pages * per_page
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.null_block.ref_cnt = 1
-        self.plain_free = FreeBlockQueue(self.blocks[1:])
+        self.plain_free = FreeBlockQueue([])
+        self._plain_in_page = [0] * pages.num_pages
+        self._owned_pages = 0
         self.evictor = policy if policy is not None else LRUPolicy()
+        self.chain_order = chain_order
+        """Queue a freed block's unreferenced ancestors behind it (full attention: a block is
+        never evicted before the blocks that extend it)."""
         self.index = index if index is not None else PrefixIndex()
         self.counters = counters if counters is not None else CacheCounters()
-        self._tick = 0
+        self.clock = clock if clock is not None else LogicalClock()
+        self.reclaim: Callable[[BlockPool], bool] | None = None
+        """Called when this group needs a block and neither a plain free block nor a free large
+        page is left: evicts something (here or in another group); False if nothing can be."""
         self.on_evict: Callable[[KVBlock], None] | None = None
         """Called with a block about to lose its cached content (its KV is still intact)."""
         self.newly_cached: list[KVBlock] | None = None
@@ -47,40 +79,86 @@ class BlockPool:
     # -- queries -------------------------------------------------------------------------
     @property
     def num_usable_blocks(self) -> int:
-        return self.num_blocks - 1
+        """Blocks this group could hold if it had the whole pool."""
+        return self.pages.num_usable * self.per_page
 
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (plain free plus evictable cached)."""
-        return len(self.plain_free) + len(self.evictor)
+        """Blocks this group can take now without evicting another group's content."""
+        return len(self.plain_free) + len(self.evictor) + self.pages.num_free() * self.per_page
 
     def is_free(self, block: KVBlock) -> bool:
-        return block.prev_free is not None or block in self.evictor
+        """Unreferenced: plain free, evictable, or in a large page no group holds."""
+        return (block.prev_free is not None or block in self.evictor
+                or self.pages.owner[block.block_id // self.per_page] != self.group)
 
     def usage(self) -> CacheUsage:
+        """This group's own blocks (those in large pages it holds)."""
         free, cached = len(self.plain_free), len(self.evictor)
-        return CacheUsage(total=self.num_usable_blocks, free=free, cached=cached,
-                          used=self.num_usable_blocks - free - cached)
+        total = self._owned_pages * self.per_page
+        return CacheUsage(total=total, free=free, cached=cached, used=total - free - cached)
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.index.get(block_hash) if self.enable_caching else None
 
     # -- allocation ----------------------------------------------------------------------
-    def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks off the free queue (evicting cached content), each with ref 1."""
-        if n > self.num_free_blocks():
-            raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks()} free")
-        out = []
-        for _ in range(n):
+    def _take_block(self) -> KVBlock | None:
+        while True:
             if len(self.plain_free):
                 block = self.plain_free.popleft()
+                self._plain_in_page[block.block_id // self.per_page] -= 1
+                return block
+            page = self.pages.take(self.group)
+            if page is not None:
+                self._owned_pages += 1
+                first = page * self.per_page
+                for block in self.blocks[first: first + self.per_page]:
+                    self.plain_free.append(block)
+                self._plain_in_page[page] = self.per_page
+                continue
+            if self.reclaim is not None:
+                if not self.reclaim(self):
+                    return None
+            elif len(self.evictor):
+                self.evict(self.evictor.pop())
             else:
-                block = self.evictor.pop()
-                self._evict(block)
+                return None
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks (evicting cached content if needed), each with ref 1. On failure
+        (the pool is full of referenced blocks) nothing is taken and ValueError is raised."""
+        out: list[KVBlock] = []
+        for _ in range(n):
+            block = self._take_block()
+            if block is None:
+                self.release_fresh(out)
+                raise ValueError(f"cannot allocate {n} blocks in group {self.group}")
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def _evict(self, block: KVBlock) -> None:
+    def release_fresh(self, blocks: list[KVBlock]) -> None:
+        """Undo ``get_new_blocks`` for blocks nothing has written or shared yet."""
+        for block in reversed(blocks):
+            block.ref_cnt = 0
+            self._to_plain(block)
+
+    def _to_plain(self, block: KVBlock) -> None:
+        """An unreferenced block without content becomes plain free; its large page goes back
+        to the shared pool once all its small pages are plain free."""
+        page = block.block_id // self.per_page
+        self.plain_free.appendleft(block)
+        self._plain_in_page[page] += 1
+        if self._plain_in_page[page] == self.per_page:
+            first = page * self.per_page
+            for b in self.blocks[first: first + self.per_page]:
+                self.plain_free.remove(b)
+            self._plain_in_page[page] = 0
+            self._owned_pages -= 1
+            self.pages.give_back(page)
+
+    def evict(self, block: KVBlock) -> None:
+        """Drop the cached content of an unreferenced block already taken out of the policy;
+        it becomes plain free."""
         assert block.ref_cnt == 0 and block.block_hash is not None
         if self.on_evict is not None:
             self.on_evict(block)
@@ -88,20 +166,24 @@ class BlockPool:
         block.block_hash = block.parent_hash = None
         block.num_hits = 0
         self.counters.evictions += 1
+        self._to_plain(block)
 
     def touch(self, blocks: Iterable[KVBlock], hit: bool = False) -> None:
         """Take a reference on each block (``hit``: a prefix-cache hit; else a fork), reviving
         unreferenced ones from the free lists."""
-        self._tick += 1
+        now = self.clock.tick()
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self.evictor.remove(block)
                 else:
                     self.plain_free.remove(block)
+                    self._plain_in_page[block.block_id // self.per_page] -= 1
             if hit:
                 block.num_hits += 1
-                block.last_used = self._tick
+                block.last_used = now
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
@@ -117,12 +199,12 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
-                    self._tick += 1
-                    block.last_used = self._tick
+                    block.last_used = self.clock.tick()
                     self.evictor.add(block)
-                    self._requeue_ancestors(block)
+                    if self.chain_order:
+                        self._requeue_ancestors(block)
                 else:
-                    self.plain_free.appendleft(block)
+                    self._to_plain(block)
 
     def _requeue_ancestors(self, block: KVBlock) -> None:
         """Queue ``block``'s unreferenced ancestors behind it. They are usually still referenced
@@ -141,10 +223,9 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None or block.is_null:
             return
         if self.index.insert(block_hash, block):
-            self._tick += 1
             block.block_hash = block_hash
             block.parent_hash = parent_hash
-            block.cached_at = self._tick
+            block.cached_at = self.clock.tick()
             if self.newly_cached is not None:
                 self.newly_cached.append(block)
 
@@ -152,8 +233,6 @@ class BlockPool:
         """Drop every unreferenced cached block's content; returns how many were dropped."""
         dropped = 0
         while len(self.evictor):
-            block = self.evictor.pop()
-            self._evict(block)
-            self.plain_free.append(block)
+            self.evict(self.evictor.pop())
             dropped += 1
         return dropped

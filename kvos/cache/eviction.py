@@ -31,6 +31,10 @@ class EvictionPolicy(ABC):
     def pop(self) -> KVBlock: ...
 
     @abstractmethod
+    def peek(self) -> KVBlock:
+        """The block ``pop`` would return, left in place (IndexError when empty)."""
+
+    @abstractmethod
     def __len__(self) -> int: ...
 
     @abstractmethod
@@ -58,6 +62,9 @@ class LRUPolicy(EvictionPolicy):
 
     def pop(self) -> KVBlock:
         return self._queue.popleft()
+
+    def peek(self) -> KVBlock:
+        return self._queue.peekleft()
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -98,11 +105,17 @@ class _HeapPolicy(EvictionPolicy):
         del self._blocks[block.block_id]
 
     def pop(self) -> KVBlock:
+        block = self.peek()
+        heapq.heappop(self._heap)
+        del self._version[block.block_id]
+        return self._blocks.pop(block.block_id)
+
+    def peek(self) -> KVBlock:
         while self._heap:
-            _, v, bid = heapq.heappop(self._heap)
+            _, v, bid = self._heap[0]
             if self._version.get(bid) == v:
-                del self._version[bid]
-                return self._blocks.pop(bid)
+                return self._blocks[bid]
+            heapq.heappop(self._heap)  # a stale entry (removed or re-keyed)
         raise IndexError("no evictable blocks")
 
     def __len__(self) -> int:

@@ -1,98 +1,338 @@
-"""The scheduler's one handle on KV memory: hits, allocation, forks and frees."""
+"""The scheduler's one handle on KV memory: hits, allocation, forks and frees, over every cache
+group of one pool."""
 from __future__ import annotations
 
-from kvos.cache.block import KVBlock
-from kvos.cache.block_pool import BlockPool
-from kvos.cache.eviction import EvictionPolicy
+from kvos.cache.block import BlockHash, KVBlock
+from kvos.cache.block_pool import BlockPool, LogicalClock
+from kvos.cache.eviction import EvictionPolicy, make_policy
 from kvos.cache.full_attention import FullAttentionManager
+from kvos.cache.hashing import extend_block_hashes, root_hash
+from kvos.cache.layout import CacheLayout, single_group_layout
+from kvos.cache.page_pool import LargePagePool
 from kvos.cache.sequence import CacheableSequence
-from kvos.cache.spec import FullAttentionSpec
+from kvos.cache.sliding_window import SlidingWindowManager
+from kvos.cache.spec import KVCacheSpec
 from kvos.cache.stats import CacheCounters, CacheUsage
+
+MANAGERS: dict[str, type[FullAttentionManager]] = {
+    "full_attention": FullAttentionManager, "sliding_window": SlidingWindowManager}
+"""The per-group manager for each kind of cache spec."""
+
+ComputedBlocks = list[list[KVBlock]]
+"""A prefix hit: for each group, its blocks (null placeholders where the group needs none)."""
 
 
 class KVCacheManager:
-    """Coordinates the block pool and the layer-group managers.
+    """Coordinates one ``LargePagePool``, a ``BlockPool`` and a manager per cache group.
 
     Contract with the scheduler:
     - ``get_computed_blocks`` before a sequence's first allocation (or after preemption); it
       never covers the last known token, whose logits must be computed.
-    - ``allocate_slots`` is all-or-nothing: on False nothing changed and the caller may
+    - ``allocate_slots`` is all-or-nothing for references: on False no block was referenced or
+      released for the sequence (cached content may have been evicted) and the caller may
       preempt and retry.
     - ``cache_blocks`` after each step that computed tokens of the sequence (never before).
     - ``free`` once per sequence that was allocated; afterwards no block is referenced by it.
-    - ``take_copies`` returns the copy-on-write copies the runner must do before this step's forward.
+    - ``take_copies`` returns the copy-on-write copies (group, src, dst) the runner must do
+      before this step's forward.
     """
 
-    def __init__(self, spec: FullAttentionSpec, num_blocks: int, model_id: str = "",
-                 enable_caching: bool = True, policy: EvictionPolicy | None = None) -> None:
+    def __init__(self, layout: CacheLayout | KVCacheSpec, num_blocks: int, model_id: str = "",
+                 enable_caching: bool = True, policy: EvictionPolicy | str | None = None,
+                 next_use=None) -> None:
+        if isinstance(layout, KVCacheSpec):
+            layout = single_group_layout(layout)
+        self.layout = layout
+        self.model_id = model_id
         self.counters = CacheCounters()
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, counters=self.counters, policy=policy)
-        self.group = FullAttentionManager(spec, self.pool, model_id)
-        self.spec = spec
+        self.pages = LargePagePool(num_blocks)
+        clock = LogicalClock()
+        if isinstance(policy, EvictionPolicy) and len(layout.groups) > 1:
+            raise ValueError("a policy instance serves one group; pass the policy's name for several groups")
+        self.pools: list[BlockPool] = []
+        self.managers: list[FullAttentionManager] = []
+        for g, group in enumerate(layout.groups):
+            pol = policy if isinstance(policy, EvictionPolicy) else make_policy(policy or "lru", next_use)
+            sliding = group.spec.kind == "sliding_window"
+            pool = BlockPool(enable_caching=enable_caching, counters=self.counters, policy=pol, pages=self.pages,
+                             per_page=layout.blocks_per_large_page(g), group=g, clock=clock,
+                             chain_order=not sliding)
+            pool.reclaim = self._reclaim
+            self.pools.append(pool)
+            self.managers.append(MANAGERS[group.spec.kind](group.spec, pool))
+        self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._roots: dict[str, BlockHash] = {}
+        self._tokens: dict[str, int] = {}
 
+    # -- queries -------------------------------------------------------------------------
     @property
     def block_size(self) -> int:
-        return self.spec.block_size
+        return self.layout.block_size
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
 
     @property
     def enable_caching(self) -> bool:
-        return self.pool.enable_caching
+        return self.pools[0].enable_caching
 
-    def get_computed_blocks(self, seq: CacheableSequence) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of ``seq``: (blocks, tokens covered). The caller records the
-        query with ``record_prefix_query`` once the sequence is actually admitted."""
-        if not self.pool.enable_caching:
-            return [], 0
-        blocks = self.group.find_longest_hit(seq, seq.num_tokens - 1)
-        return blocks, len(blocks) * self.block_size
+    @property
+    def pool(self) -> BlockPool:
+        """The only group's pool (tiers and swap work on single-group layouts only)."""
+        if len(self.pools) != 1:
+            raise ValueError("this operation needs a single cache group (not a hybrid layout)")
+        return self.pools[0]
+
+    def pages_for_tokens(self, num_tokens: int, chunk: int | None = None) -> int:
+        """Large pages one sequence of ``num_tokens`` tokens needs at its peak, prefilled in
+        chunks of ``chunk`` tokens (default: all at once): every block in full-attention groups,
+        in sliding groups the window's blocks plus one chunk's."""
+        bs, chunk = self.block_size, chunk or num_tokens
+        pages = 0
+        for g, m in enumerate(self.managers):
+            blocks = -(-num_tokens // bs)
+            if isinstance(m, SlidingWindowManager):
+                blocks = min(blocks, -(-(m.window - 1 + chunk) // bs) + 1)
+            pages += -(-blocks // self.layout.blocks_per_large_page(g))
+        return pages
+
+    def capacity_tokens(self, chunk: int | None = None) -> int:
+        """The longest sequence the whole pool can hold (prefilled in chunks of ``chunk``)."""
+        usable = self.pages.num_usable
+        if self.pages_for_tokens(1 << 40, chunk) <= usable:
+            return 1 << 40  # every group slides: any length fits
+        lo, hi = 0, usable * max(p.per_page for p in self.pools) * self.block_size
+        while lo < hi:  # pages_for_tokens grows with the length
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.pages_for_tokens(mid, chunk) <= usable else (lo, mid - 1)
+        return lo
+
+    def root(self, seq: CacheableSequence) -> BlockHash:
+        r = self._roots.get(seq.request_id)
+        if r is None:
+            r = self._roots[seq.request_id] = root_hash(self.model_id, seq.cache_salt)
+        return r
+
+    def block_hashes(self, seq: CacheableSequence) -> list[BlockHash]:
+        """Chained hashes of every full block of ``seq``'s known tokens (computed lazily; the
+        same for every group)."""
+        hashes = self._hashes.setdefault(seq.request_id, [])
+        extend_block_hashes(hashes, seq.all_token_ids, self.block_size, self.root(seq))
+        return hashes
+
+    # -- prefix hits ---------------------------------------------------------------------
+    def get_computed_blocks(self, seq: CacheableSequence) -> tuple[ComputedBlocks, int]:
+        """Longest cached prefix of ``seq`` that every group can serve: (blocks per group,
+        tokens covered). The caller records the query with ``record_prefix_query`` once the
+        sequence is actually admitted.
+
+        A fixed point over groups: start from every full block but the last token's, ask each
+        group for its longest hit at most that long, shrink to its answer and start over until
+        all groups agree. Correct because each group returns the *longest* length it can serve
+        that is at most the bound it was given: the longest length L* that all groups can serve
+        is at most every answer, so the bound never drops below L*, and when all agree the
+        bound is a length all can serve, hence L*. It terminates because the bound only
+        shrinks. Full attention is downward closed, so after the first pass it always agrees.
+        """
+        if not self.enable_caching:
+            return [[] for _ in self.managers], 0
+        hashes = self.block_hashes(seq)
+        bound = (seq.num_tokens - 1) // self.block_size
+        while True:
+            hits: ComputedBlocks = []
+            for m in self.managers:
+                hit = m.find_longest_hit(hashes, bound)
+                if len(hit) < bound:
+                    bound = len(hit)
+                    break
+                hits.append(hit)
+            else:
+                return hits, bound * self.block_size
+
+    def longest_hit_tokens(self, seq: CacheableSequence, max_tokens: int) -> int:
+        """Tokens of ``seq``'s first ``max_tokens`` that the cache would serve (no side effects)."""
+        if not self.enable_caching:
+            return 0
+        hashes = self.block_hashes(seq)
+        bound = max_tokens // self.block_size
+        while True:
+            got = min(len(m.find_longest_hit(hashes, bound)) for m in self.managers)
+            if got == bound:
+                return bound * self.block_size
+            bound = got
 
     def record_prefix_query(self, num_tokens: int, hit_tokens: int) -> None:
-        if self.pool.enable_caching:
+        if self.enable_caching:
             self.counters.prefix_queries_tokens += num_tokens
             self.counters.prefix_hits_tokens += hit_tokens
 
+    # -- allocation ----------------------------------------------------------------------
     def allocate_slots(self, seq: CacheableSequence, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> bool:
+                       new_computed: ComputedBlocks | None = None) -> bool:
         """Make room for ``seq``'s next ``num_new_tokens`` tokens after its computed ones and
-        the ``new_computed_blocks`` prefix hit (whose tokens the caller adds to
-        ``num_computed_tokens`` after this returns True)."""
-        new_computed = new_computed_blocks or []
-        total = seq.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
-        if not new_computed and self.group.fits(seq, total):
+        the ``new_computed`` prefix hit (whose tokens the caller adds to
+        ``num_computed_tokens`` after this returns True). Sliding groups first release the
+        blocks that left the window."""
+        hits = new_computed if new_computed is not None else [[] for _ in self.managers]
+        num_hit = len(hits[0]) if hits else 0
+        total = seq.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        if self._sliding:
+            caching = self.enable_caching  # released blocks are registered first when caching
+            hashes, root = (self.block_hashes(seq), self.root(seq)) if caching else ([], b"")
+            for m in self._sliding:
+                m.remove_skipped_blocks(seq, hashes, root)
+        if not num_hit and all(m.fits(seq, total) for m in self.managers):
+            self._tokens[seq.request_id] = total
             return True  # decode fast path: the last block has room and is not shared
-        if self.group.num_blocks_needed(seq, total, new_computed) > self.pool.num_free_blocks():
+        needs = [m.num_new_blocks(seq, total, h) for m, h in zip(self.managers, hits)]
+        revived = [sum(1 for b in h if b.ref_cnt == 0 and not b.is_null) for h in hits]
+        if len(self.pools) == 1:
+            if needs[0] + revived[0] > self.pools[0].num_free_blocks():
+                return False
+        elif sum((n + r) * m.spec.page_bytes for n, r, m in zip(needs, revived, self.managers)) > self.free_bytes():
             return False
-        self.group.allocate(seq, total, new_computed)
+        for pool, h in zip(self.pools, hits):
+            pool.touch(h, hit=True)
+        fresh: list[list[KVBlock]] = []
+        try:
+            for pool, n in zip(self.pools, needs):
+                fresh.append(pool.get_new_blocks(n))
+        except ValueError:  # fragmented: the bytes exist but not in pages of the right group
+            for pool, blocks in zip(self.pools, fresh):
+                pool.release_fresh(blocks)
+            for pool, h in zip(self.pools, hits):
+                pool.free_blocks(reversed(h))
+            return False
+        for m, h, f in zip(self.managers, hits, fresh):
+            m.install(seq, h, f)
+        self._tokens[seq.request_id] = total
         return True
+
+    def _reclaim(self, needing: BlockPool) -> bool:
+        """Evict the least recently used cached block of any group (balanced eviction across
+        groups). Evicting a full-attention block also evicts the same content in sliding groups
+        (aligned: a sliding block past a lost full-attention block can never be hit)."""
+        best: BlockPool | None = None
+        for pool in self.pools:
+            if len(pool.evictor) and (best is None or pool.evictor.peek().last_used < best.evictor.peek().last_used):
+                best = pool
+        if best is None:
+            return False
+        block = best.evictor.pop()
+        block_hash = block.block_hash
+        best.evict(block)
+        if self._sliding and block_hash is not None and best.chain_order:
+            for m in self._sliding:
+                twin = m.pool.index.get(block_hash)
+                if twin is not None and twin.ref_cnt == 0 and twin in m.pool.evictor:
+                    m.pool.evictor.remove(twin)
+                    m.pool.evict(twin)
+        return True
+
+    def free_bytes(self) -> int:
+        """Bytes that allocation could use now: free large pages plus every group's plain free
+        and evictable blocks."""
+        return (self.pages.num_free() * self.layout.large_page_bytes
+                + sum((len(p.plain_free) + len(p.evictor)) * m.spec.page_bytes
+                      for p, m in zip(self.pools, self.managers)))
 
     def cache_blocks(self, seq: CacheableSequence, num_tokens: int | None = None) -> None:
         """After a step ran: make ``seq``'s newly computed full blocks hittable (those among
         its first ``num_tokens``, default all computed ones)."""
-        self.group.cache_blocks(seq, num_tokens)
+        if not self.enable_caching:
+            return
+        hashes, root = self.block_hashes(seq), self.root(seq)
+        for m in self.managers:
+            m.cache_blocks(seq, hashes, root, num_tokens)
 
     def fork(self, parent: CacheableSequence, child: CacheableSequence) -> None:
-        self.group.fork(parent, child)
+        for m in self.managers:
+            m.fork(parent, child)
+        if parent.request_id in self._hashes:
+            self._hashes[child.request_id] = list(self._hashes[parent.request_id])
+        if parent.request_id in self._tokens:
+            self._tokens[child.request_id] = self._tokens[parent.request_id]
 
     def free(self, seq: CacheableSequence) -> None:
-        self.group.free(seq)
+        for m in self.managers:
+            m.free(seq)
+        self._hashes.pop(seq.request_id, None)
+        self._roots.pop(seq.request_id, None)
+        self._tokens.pop(seq.request_id, None)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return self.group.block_ids(request_id)
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """Block ids of every group's table."""
+        return [m.block_ids(request_id) for m in self.managers]
 
-    def block_table(self, request_id: str) -> list[KVBlock]:
-        """The live table: only valid until the sequence is next allocated, forked or freed."""
-        return self.group.tables.get(request_id, [])
+    def block_tables(self, request_id: str) -> list[list[KVBlock]]:
+        """The live tables, one per group: only valid until the sequence is next allocated,
+        forked or freed."""
+        return [m.tables.get(request_id, []) for m in self.managers]
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self.group.pending_copies = self.group.pending_copies, []
+    def num_held_blocks(self, request_id: str) -> int:
+        return sum(m.num_held_blocks(request_id) for m in self.managers)
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        copies = []
+        for g, m in enumerate(self.managers):
+            copies += [(g, src, dst) for src, dst in m.pending_copies]
+            m.pending_copies = []
         return copies
 
+    # -- observability -------------------------------------------------------------------
     def usage(self) -> CacheUsage:
-        return self.pool.usage()
+        """The pool in large pages (blocks, for a single group): ``used`` pages hold a
+        referenced block, ``cached`` pages only cached content, ``free`` pages nothing."""
+        if len(self.pools) == 1 and self.pools[0].per_page == 1:
+            pool = self.pools[0]
+            cached = len(pool.evictor)
+            total, free = self.pages.num_usable, self.pages.num_free()
+            return CacheUsage(total=total, free=free, cached=cached, used=total - free - cached)
+        referenced: set[int] = set()
+        owned: set[int] = set()
+        for pool in self.pools:
+            for page, owner in enumerate(self.pages.owner):
+                if owner == pool.group:
+                    owned.add(page)
+                    first = page * pool.per_page
+                    if any(b.ref_cnt > 0 for b in pool.blocks[first: first + pool.per_page]):
+                        referenced.add(page)
+        total, free = self.pages.num_usable, self.pages.num_free()
+        return CacheUsage(total=total, free=free, cached=len(owned) - len(referenced), used=len(referenced))
+
+    def group_usage(self) -> list[CacheUsage]:
+        """Each group's blocks in the large pages it holds."""
+        return [p.usage() for p in self.pools]
+
+    def memory_breakdown(self) -> dict:
+        """Bytes held for running sequences and how much of it holds live tokens.
+
+        ``live``: what each sequence's layers must hold (sliding layers only their window).
+        Per sequence: a block that forks share counts once for each of them, in both figures.
+        ``waste``: the rest of its referenced blocks (empty slots of last blocks, padding layer
+        slots, tokens a homogeneous layout keeps past a window) plus free small pages inside
+        large pages that hold a referenced block (fragmentation of the two-level pool).
+        """
+        referenced = sum(m.num_held_blocks(rid) * m.spec.page_bytes for m in self.managers for rid in m.tables)
+        live = sum(self.layout.live_bytes(n) for n in self._tokens.values())
+        fragment = 0  # free small pages inside large pages that running requests hold
+        for p, m in zip(self.pools, self.managers):
+            for block in p.plain_free if p.per_page > 1 else ():
+                first = block.block_id // p.per_page * p.per_page
+                if any(b.ref_cnt > 0 for b in p.blocks[first: first + p.per_page]):
+                    fragment += m.spec.page_bytes
+        held = referenced + fragment
+        waste = max(0, held - live)
+        return {"held_bytes": held, "live_bytes": live, "fragmentation_bytes": fragment,
+                "waste_bytes": waste, "waste_fraction": waste / held if held else 0.0}
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
+        return sum(p.reset_prefix_cache() for p in self.pools)
 
     def stats(self) -> dict:
-        return {"block_size": self.block_size, "page_bytes": self.spec.page_bytes,
-                **self.usage().as_dict(), **self.counters.as_dict()}
+        return {"block_size": self.block_size, "page_bytes": self.layout.large_page_bytes,
+                **self.usage().as_dict(), **self.counters.as_dict(), "kv_layout": self.layout.mode,
+                "groups": [{**d, **u.as_dict()} for d, u in zip(self.layout.describe(), self.group_usage())],
+                "memory": self.memory_breakdown()}

@@ -8,10 +8,11 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, 
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec:
-    """A group of full-attention layers sharing one block table per request.
+class KVCacheSpec:
+    """A group of layers sharing one block table per request.
 
-    ``page_bytes`` is the size of one block across all layers of the group, K and V together.
+    ``num_layers`` counts the layer slots of one page (padding included, in the equal-pages
+    mode); ``page_bytes`` is one block across all of them, K and V together.
     """
 
     block_size: int
@@ -27,6 +28,10 @@ class FullAttentionSpec:
             raise ValueError(f"unknown KV dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
 
     @property
+    def kind(self) -> str:
+        raise NotImplementedError
+
+    @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
@@ -37,3 +42,29 @@ class FullAttentionSpec:
     def num_blocks_for_memory(self, memory_bytes: int) -> int:
         """Blocks that fit in ``memory_bytes`` (the null block included)."""
         return memory_bytes // self.page_bytes
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """Layers that attend to every earlier token: a request keeps all its blocks."""
+
+    @property
+    def kind(self) -> str:
+        return "full_attention"
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVCacheSpec):
+    """Layers whose query at position p attends keys ``p - window < j <= p``: blocks wholly
+    before the window of every future token are released while the request runs."""
+
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {self.window}")
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window"

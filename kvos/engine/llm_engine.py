@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvos.cache.kv_manager import KVCacheManager
-from kvos.cache.spec import FullAttentionSpec
+from kvos.cache.layout import build_layout
 from kvos.config import EngineConfig
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
@@ -69,17 +69,23 @@ class LLMEngine:
         mc = self.model_config = self.runner.cfg
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        self.spec = FullAttentionSpec(config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                      str(dtype).removeprefix("torch."))
+        self.layout = build_layout(mc.layer_windows(), config.block_size, mc.num_kv_heads, mc.head_dim,
+                                   str(dtype).removeprefix("torch."), config.kv_layout)
         num_blocks = config.num_blocks or self._num_blocks_for_budget()
         if num_blocks < 2:
-            raise ValueError(f"the KV budget holds fewer than two blocks of {self.spec.page_bytes} bytes "
+            raise ValueError(f"the KV budget holds fewer than two pages of {self.layout.large_page_bytes} bytes "
                              f"(kv_cache_memory_bytes={config.kv_cache_memory_bytes}, "
                              f"gpu_memory_utilization={config.gpu_memory_utilization})")
-        model_id = f"{path.name}:{self.spec.dtype}" + (":random" if config.random_weights else "")
-        self.kv = KVCacheManager(self.spec, num_blocks, model_id=model_id,
+        hybrid = len(self.layout.groups) > 1
+        if hybrid and (config.cpu_cache_gb or config.disk_cache_dir or config.remote_cache
+                       or config.preemption_mode == "swap"):
+            raise ValueError("tiers below the device (cpu_cache_gb, disk_cache_dir, remote_cache) and "
+                             "preemption_mode='swap' need a single cache group; this model's layout "
+                             f"{config.kv_layout!r} has {len(self.layout.groups)} (use kv_layout='homogeneous')")
+        model_id = f"{path.name}:{dtype}".replace("torch.", "") + (":random" if config.random_weights else "")
+        self.kv = KVCacheManager(self.layout, num_blocks, model_id=model_id,
                                  enable_caching=config.enable_prefix_caching)
-        self.runner.allocate_kv_cache(num_blocks, config.block_size)
+        self.runner.allocate_kv_cache(self.layout, num_blocks)
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
@@ -108,7 +114,7 @@ class LLMEngine:
         if budget is None and self.runner.device.type == "cuda":
             budget = self.runner.profile_kv_budget(self.config.gpu_memory_utilization,
                                                    self.config.max_num_batched_tokens)
-        return self.spec.num_blocks_for_memory(budget or 2 << 30)
+        return self.layout.num_pages_for_memory(budget or 2 << 30)
 
     # -- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -158,7 +164,7 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              f"which leaves no room for output")
-        usable = self.kv.pool.num_usable_blocks * self.spec.block_size
+        usable = self.kv.capacity_tokens(self.config.max_num_batched_tokens)
         if len(ids) + 1 > usable:
             raise ValueError(f"prompt is {len(ids)} tokens; the KV pool holds only {usable} "
                              f"(raise kv_cache_memory_bytes)")
@@ -274,7 +280,7 @@ class LLMEngine:
 
     # -- observability -------------------------------------------------------------------
     def stats(self) -> dict:
-        s = {**self.kv.stats(), "num_blocks": self.kv.pool.num_blocks,
+        s = {**self.kv.stats(), "num_blocks": self.kv.pages.num_pages,
              "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting(),
              "loading": len(self.scheduler.loading)}
         if self.offload is not None:

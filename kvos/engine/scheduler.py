@@ -37,12 +37,13 @@ class ScheduledSeq:
     request: Request
     start: int
     num_new_tokens: int
-    table: list[KVBlock]  # live block table: read it before the next schedule()
+    tables: list[list[KVBlock]]  # live block table per cache group: read before the next schedule()
     samplers: list[Request] = field(default_factory=list)
 
     @property
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.table]
+    def block_ids(self) -> list[list[int]]:
+        """Block ids per cache group."""
+        return [[b.block_id for b in t] for t in self.tables]
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,7 +76,7 @@ class PrefixLoad:
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
-    copies: list[tuple[int, int]]
+    copies: list[tuple[int, int, int]]  # (cache group, src block, dst block)
     preempted: list[Request]
     finished_ids: list[str]
     loads: list[PrefixLoad] = field(default_factory=list)
@@ -160,7 +161,7 @@ class Scheduler:
         self.running.remove(req)
         if self.swapper is not None and req.num_computed_tokens:
             n = -(-req.num_computed_tokens // self.kv.block_size)
-            if self.swapper.swap_out(req.request_id, self.kv.block_ids(req.request_id)[:n]):
+            if self.swapper.swap_out(req.request_id, self.kv.block_ids(req.request_id)[0][:n]):
                 req.swapped_tokens = req.num_computed_tokens
                 self.kv.counters.swapped_out_blocks += n
         self.kv.free(req)
@@ -263,7 +264,7 @@ class Scheduler:
         heapq.heappop(self._waiting)
         n = -(-swapped // self.kv.block_size)
         assert self.swapper is not None
-        self.swapper.swap_in(req.request_id, self.kv.block_ids(req.request_id)[:n])
+        self.swapper.swap_in(req.request_id, self.kv.block_ids(req.request_id)[0][:n])
         self.kv.counters.swapped_in_blocks += n
         req.num_computed_tokens, req.swapped_tokens = swapped, 0
         self.kv.cache_blocks(req)
@@ -275,7 +276,7 @@ class Scheduler:
         """If tiers below hold more of ``req``'s prefix, admit it in the LOADING state with
         blocks for that prefix (None: nothing below; False: no room now)."""
         bs = self.kv.block_size
-        hashes = self.kv.group.block_hashes(req)[len(hit_blocks): (req.num_tokens - 1) // bs]
+        hashes = self.kv.block_hashes(req)[hit_tokens // bs: (req.num_tokens - 1) // bs]
         extra = self.lower_tier_lookup(hashes) if hashes else 0  # type: ignore[misc]
         if not extra:
             return None
@@ -287,8 +288,8 @@ class Scheduler:
             req.cached_by_source = {"device": hit_tokens}
         req.status = RequestStatus.LOADING
         self.loading[req.request_id] = req
-        table = self.kv.block_table(req.request_id)
-        ids = [b.block_id for b in table[len(hit_blocks): len(hit_blocks) + extra]]
+        table = self.kv.block_tables(req.request_id)[0]
+        ids = [b.block_id for b in table[hit_tokens // bs: hit_tokens // bs + extra]]
         return PrefixLoad(req, ids, hashes[:extra])
 
     def finish_loading(self, req: Request, loaded_by_source: list[str]) -> None:
@@ -321,8 +322,7 @@ class Scheduler:
             return
         entries = sorted(self._waiting, key=lambda e: e[0][1:])
         head, tail = entries[: self.LPM_WINDOW], entries[self.LPM_WINDOW:]
-        cap = self.kv.block_size
-        keyed = [((-len(self.kv.group.find_longest_hit(r, r.num_tokens - 1)) * cap, r.arrival, r.sample_index), r)
+        keyed = [((-self.kv.longest_hit_tokens(r, r.num_tokens - 1), r.arrival, r.sample_index), r)
                  for _, r in head]
         keyed += [((0, r.arrival, r.sample_index), r) for _, r in tail]
         heapq.heapify(keyed)
@@ -331,7 +331,7 @@ class Scheduler:
     def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         samples = start + num_new == req.num_tokens
-        return ScheduledSeq(req, start, num_new, self.kv.block_table(req.request_id),
+        return ScheduledSeq(req, start, num_new, self.kv.block_tables(req.request_id),
                             [req] if samples else [])
 
     def _fork_if_needed(self, s: ScheduledSeq) -> None:

@@ -36,7 +36,7 @@ def _block_n(head_dim_pad: int) -> int:
     return 32 if head_dim_pad >= 256 else 64
 
 
-@triton.jit(do_not_specialize=["stride_tb"],
+@triton.jit(do_not_specialize=["stride_tb", "window"],
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -47,24 +47,29 @@ def _decode_split_kernel(
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_tb, stride_tn,
     stride_ob, stride_oh, stride_od,
-    num_heads, group,
+    num_heads, group, window,
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Program (b, kv head, split): the group's query heads over one slice of the context.
 
-    The context ``0 .. seq_len-1`` is cut into NUM_SPLITS slices of ``cdiv(seq_len, NUM_SPLITS)``
-    keys rounded up to BLOCK_N, so late splits of a short sequence are empty. With one split the
-    result goes straight to ``out``; otherwise each split writes its normalised partial output and
-    its log2-sum-exp (``-inf`` for an empty split) for ``_decode_combine_kernel``.
+    The context is ``lo .. seq_len-1`` with ``lo = 0``, or ``max(0, seq_len - window)`` when
+    HAS_WINDOW (sliding window: the last ``window`` keys). It is cut into NUM_SPLITS slices of
+    ``cdiv(seq_len - lo, NUM_SPLITS)`` keys rounded up to BLOCK_N, so late splits of a short
+    context are empty; keys below ``lo`` are never read. With one split the result goes straight
+    to ``out``; otherwise each split writes its normalised partial output and its log2-sum-exp
+    (``-inf`` for an empty split) for ``_decode_combine_kernel``.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = tl.minimum(split * keys_per_split, seq_len)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = tl.minimum(lo + split * keys_per_split, seq_len)
     end = tl.minimum(start + keys_per_split, seq_len)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
 
@@ -82,14 +87,15 @@ def _decode_split_kernel(
     k_head_ptr = k_cache_ptr + kvh * stride_kh
     v_head_ptr = v_cache_ptr + kvh * stride_vh
     table_ptr = block_tables_ptr + b * stride_tb
+    # Every key of the slice is visible to the query: no lower-bound mask (row_first unused).
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, row_last, start, full_end, k_head_ptr, v_head_ptr, table_ptr, stride_tn,
-        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False)
+        acc, m_i, l_i, q, row_last, row_last, start, full_end, k_head_ptr, v_head_ptr, table_ptr,
+        stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False)
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, row_last, full_end, end, k_head_ptr, v_head_ptr, table_ptr, stride_tn,
-        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True)
+        acc, m_i, l_i, q, row_last, row_last, full_end, end, k_head_ptr, v_head_ptr, table_ptr,
+        stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, False)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -136,33 +142,47 @@ def _decode_combine_kernel(
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
-    """Attention of one new token per sequence over its whole paged context (flash-decoding).
+                           num_splits: int | None = None,
+                           window: int | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context (flash-decoding).
 
     q: ``[B, H, D]`` (any strides), the query of each sequence's last token, whose K/V is already
     in the cache. k_cache, v_cache: ``[num_blocks, block_size, KVH, D]``, same dtype as q, any
     strides. Query head h reads kv head ``h // (H // KVH)``. block_tables: ``[B, max_blocks]``
     int32/int64; entries past a sequence's last block are never read. seq_lens: ``[B]`` int,
-    tokens including the new one; sequence b attends keys ``0 .. seq_lens[b]-1``. A row with
+    tokens including the new one; sequence b attends keys ``lo .. seq_lens[b]-1``. A row with
     seq_len 0 (padding) gets zeros. scale: softmax scale. out: ``[B, H, D]`` in q's dtype (any
     strides), allocated if None; returned.
 
-    num_splits: context slices per sequence (default ``decode_num_splits`` from the shapes). The
-    grid is ``(B, KVH, num_splits)`` and each program takes ``cdiv(seq_len, num_splits)`` keys
-    (rounded up to a tile), so every value gives the same result up to rounding. With more than
-    one split, a second kernel merges fp32 partials ``[B, H, num_splits, D]`` and log-sum-exps
-    ``[B, H, num_splits]``, allocated here with ``torch.empty``.
+    window: sliding-window size of this layer, the same for every sequence; None or 0 means full
+    causal attention (``lo = 0``). Otherwise ``lo = max(0, seq_len - window)``: the token at
+    position ``p = seq_len - 1`` sees keys ``p - window < j <= p`` (Gemma 3 / Mistral sliding
+    window), and only those are read, so table entries of blocks wholly before ``lo`` may be
+    anything (e.g. a null block 0). Passed as a runtime int: every window shares one compiled
+    variant, and full attention compiles as without the option.
+
+    num_splits: context slices per sequence (default ``decode_num_splits`` from the shapes, with
+    the table capped at ``window`` keys). The grid is ``(B, KVH, num_splits)`` and each program
+    takes ``cdiv(seq_len - lo, num_splits)`` keys (rounded up to a tile), so every value gives
+    the same result up to rounding. With more than one split, a second kernel merges fp32
+    partials ``[B, H, num_splits, D]`` and log-sum-exps ``[B, H, num_splits]``, allocated here
+    with ``torch.empty``.
 
     CUDA graphs: no host synchronisation and no branch on tensor values; launch shapes depend only
-    on ``q.shape``, ``block_tables.shape`` and num_splits. The workspace comes from torch's caching
-    allocator, which during capture serves it from the graph's private pool, so capture works.
+    on ``q.shape``, ``block_tables.shape``, num_splits and window. The workspace comes from torch's
+    caching allocator, which during capture serves it from the graph's private pool, so capture
+    works.
     """
     group = check_paged_inputs(q, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
+    assert window is None or window >= 0
+    max_blocks = block_tables.shape[1]
+    if window:
+        max_blocks = min(max_blocks, triton.cdiv(window, block_size))
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size)
+        num_splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size)
     assert num_splits >= 1
     if out is None:
         out = torch.empty_like(q)
@@ -180,11 +200,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        num_heads, group,
+        num_heads, group, window or 0,
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(block_d),
         BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype),
-        num_warps=8 if q.dtype == torch.float32 else 4, num_stages=2,
+        HAS_WINDOW=bool(window), num_warps=8 if q.dtype == torch.float32 else 4, num_stages=2,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, num_heads)](

@@ -1,5 +1,5 @@
 """Fused elementwise kernels of the decoder: RMSNorm (optionally adding the residual first),
-rotary embedding and SiLU-and-multiply.
+rotary embedding, SiLU-and-multiply and GELU(tanh)-and-multiply (Gemma).
 
 Each kernel reproduces the rounding order of the torch definitions in ``kvos.model.ops``:
 float32 math, rounded to the tensor dtype wherever torch rounds (after each elementwise op on
@@ -20,7 +20,7 @@ from triton.language.extra import libdevice
 # for rotary, per row for SiLU-and-mul).
 _RMS_BLOCK = 1024
 _ROPE_BLOCK = 1024
-_SILU_BLOCK = 1024
+_GATED_BLOCK = 1024
 # torch's float exp is CUDA's expf, which libdevice's exp is; tl.exp is a faster approximation.
 # The interpreter has no libdevice, so it uses tl.exp (numpy's exp).
 _LIBDEVICE_EXP = not triton.knobs.runtime.interpret
@@ -39,8 +39,10 @@ def _rms_norm_kernel(
     sx_t, sx_h, sr_t, sr_h, so_t, so_h, sro_t, sro_h,
     eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,
 ):
-    """ROWS rows of N per program; row r is (t, h) = divmod(r, heads) in each tensor's strides."""
+    """ROWS rows of N per program; row r is (t, h) = divmod(r, heads) in each tensor's strides.
+    WEIGHT_FIRST (Gemma): the float32 weight multiplies before the one rounding to x's dtype."""
     dtype = x_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t = rows // heads
@@ -55,9 +57,12 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + (t * sro_t + h * sro_h)[:, None] + cols[None, :], x.to(dtype), mask=mask)
     # torch's CUDA mean multiplies the sum by 1/N, then eps is added (no FMA: fusion is off).
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * (1.0 / N) + eps)
-    y = _round(x * rstd[:, None], dtype)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    out = (w[None, :] * y).to(out_ptr.dtype.element_ty)
+    if WEIGHT_FIRST:
+        out = (x * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty)
+    else:
+        y = _round(x * rstd[:, None], dtype)
+        out = (w[None, :] * y).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + (t * so_t + h * so_h)[:, None] + cols[None, :], out, mask=mask)
 
 
@@ -70,8 +75,10 @@ def _as_rows(x: torch.Tensor) -> tuple[int, int, int, int]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              *, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dimension, rounded like ``ops.rms_norm``'s torch path.
+             weight_first: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension, rounded like ``ops.rms_norm``'s torch path (with
+    ``weight_first``, like ``ops.gemma_rms_norm``'s: ``(normalised * weight)`` in float32, rounded
+    once, in x's dtype).
 
     x: ``[T, N]`` or ``[T, H, N]`` (per-head norms: Qwen3's q/k norm on a view of the fused qkv
     output, no copy needed), any strides with a unit last stride. weight: ``[N]``. Returns
@@ -87,7 +94,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     N = x.shape[-1]
     assert x.dim() in (2, 3) and weight.shape == (N,) and x.stride(-1) == 1 and weight.stride(0) == 1
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        dtype = x.dtype if weight_first else torch.promote_types(x.dtype, weight.dtype)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
     assert out.shape == x.shape and out.stride(-1) == 1
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
@@ -101,7 +109,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x, res, out, res_out, weight, n_rows, heads,
         sx_t, sx_h, *_as_rows(res)[2:], *_as_rows(out)[2:], *_as_rows(res_out)[2:],
-        eps, N=N, BLOCK_N=block_n, ROWS=rows, HAS_RES=residual is not None,
+        eps, N=N, BLOCK_N=block_n, ROWS=rows, HAS_RES=residual is not None, WEIGHT_FIRST=weight_first,
         num_warps=min(16, max(1, rows * block_n // 512)), enable_fp_fusion=False,
     )
     return out if residual is None else (out, residual_out)
@@ -184,7 +192,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx_t, so_t, BLOCK: tl.constexpr,
-                         LIBDEVICE_EXP: tl.constexpr):
+                         LIBDEVICE: tl.constexpr):
     """Program (t, b): columns b*BLOCK .. of token t's ``[gate | up]`` row."""
     dtype = x_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
@@ -193,7 +201,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx_t, so_t, BLOCK: tl.constexpr,
     g = tl.load(x_ptr + t * sx_t + cols, mask=mask).to(tl.float32)
     u = tl.load(x_ptr + t * sx_t + inter + cols, mask=mask).to(tl.float32)
     # torch's silu: x / (1 + exp(-x)) in float32 with an IEEE division, rounded to the dtype.
-    e = libdevice.exp(-g) if LIBDEVICE_EXP else tl.exp(-g)
+    e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
     s = _round(tl.math.div_rn(g, 1.0 + e), dtype)
     tl.store(out_ptr + t * so_t + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -202,15 +210,47 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     """``silu(gate) * up`` of x = ``[gate | up]`` (``[T, 2*I]``, any row stride, unit last
     stride) into ``[T, I]`` (``out`` when given: same dtype, unit last stride, not overlapping x).
     The silu result is rounded to x's dtype before the product, like torch. CUDA-graph safe."""
+    return _gated(_silu_and_mul_kernel, x, out)
+
+
+def _gated(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Launch a gated-activation kernel over x = ``[gate | up]`` (see ``silu_and_mul``)."""
     T, two_i = x.shape
     inter = two_i // 2
     assert two_i % 2 == 0 and x.stride(1) == 1
     if out is None:
         out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     assert out.shape == (T, inter) and out.dtype == x.dtype and out.stride(1) == 1
-    block = min(_SILU_BLOCK, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(T, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
-        LIBDEVICE_EXP=_LIBDEVICE_EXP, num_warps=4,
-    )
+    block = min(_GATED_BLOCK, triton.next_power_of_2(inter))
+    kernel[(T, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
+                                          LIBDEVICE=_LIBDEVICE_EXP, num_warps=4)
     return out
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, inter, sx_t, so_t, BLOCK: tl.constexpr,
+                              LIBDEVICE: tl.constexpr):
+    """Program (t, b): columns b*BLOCK .. of token t's ``[gate | up]`` row."""
+    dtype = x_ptr.dtype.element_ty
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(x_ptr + t * sx_t + cols, mask=mask).to(tl.float32)
+    u = tl.load(x_ptr + t * sx_t + inter + cols, mask=mask).to(tl.float32)
+    # torch's CUDA gelu(approximate="tanh") in float32: kBeta = float(sqrt(2) * 2/sqrt(pi) * 0.5),
+    # inner = kBeta * (x + kKappa * x^3), 0.5 * x * (1 + tanh(inner)); tanhf is libdevice's tanh.
+    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+    if LIBDEVICE:
+        th = libdevice.tanh(inner)
+    else:  # the interpreter: tanh from exp (saturated to avoid overflow)
+        th = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.maximum(inner, -20.0), 20.0)) + 1.0)
+    y = _round(0.5 * g * (1.0 + th), dtype)
+    tl.store(out_ptr + t * so_t + cols, (y * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of x = ``[gate | up]`` (``[T, 2*I]``, any row
+    stride, unit last stride) into ``[T, I]`` (``out`` when given: same dtype, unit last stride,
+    not overlapping x). The GELU result is rounded to x's dtype before the product, like torch.
+    CUDA-graph safe."""
+    return _gated(_gelu_tanh_and_mul_kernel, x, out)

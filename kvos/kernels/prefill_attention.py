@@ -26,7 +26,7 @@ def prefill_tiles(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, i
     return max(1, block_m // triton.next_power_of_2(group)), block_n, num_warps
 
 
-@triton.jit(do_not_specialize=["stride_tb"],
+@triton.jit(do_not_specialize=["stride_tb", "window"],
             do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
@@ -36,10 +36,10 @@ def _prefill_kernel(
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_tb, stride_tn,
     stride_ot, stride_oh, stride_od,
-    group,
+    group, window,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Program (query tile, sequence, kv head): BLOCK_Q new tokens x the group's query heads.
 
@@ -47,6 +47,11 @@ def _prefill_kernel(
     Key tiles entirely at or below the tile's first position run unmasked; the rest, up to the
     tile's last position, are masked causally per row. Tile indices run from the last (the most
     keys) down, so the longest programs start first; tiles past a sequence's length exit at once.
+
+    HAS_WINDOW (sliding window): the row at position p sees keys ``p - window + 1 .. p``. Keys
+    start at ``lo``, the first one the tile's first row sees; whole BLOCK_N tiles visible to every
+    row of the tile (from the last row's first key up to the first row's position) run unmasked,
+    the keys before and after them masked on both sides per row. Keys below ``lo`` are never read.
     """
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -77,15 +82,34 @@ def _prefill_kernel(
     k_head_ptr = k_cache_ptr + kvh * stride_kh
     v_head_ptr = v_cache_ptr + kvh * stride_vh
     table_ptr = block_tables_ptr + seq * stride_tb
+    row_first = row_last  # the rows' first visible keys: unused without a window
+    full_start = 0
+    masked_start = full_end
+    if HAS_WINDOW:
+        row_first = row_last - window + 1
+        lo = tl.maximum(first_pos - window + 1, 0)
+        # Whole tiles from the last row's first key (end - window) up to full_end, visible to all
+        # rows; none (full_start = full_end) when the rows share fewer keys than that.
+        full_start = tl.minimum(tl.cdiv(tl.maximum(end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+        masked_start = tl.maximum(full_end, lo)
+        # lo <= full_start, or else full_start = full_end < lo = masked_start: either way the
+        # three ranges below cover lo .. end-1 once.
+        acc, m_i, l_i = attend_key_range(
+            acc, m_i, l_i, q, row_first, row_last, lo, tl.maximum(full_start, lo), k_head_ptr,
+            v_head_ptr, table_ptr, stride_tn, stride_kb, stride_ko, stride_kd, stride_vb,
+            stride_vo, stride_vd, scale_log2,
+            BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, True)
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, row_last, 0, full_end, k_head_ptr, v_head_ptr, table_ptr, stride_tn,
-        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False)
+        acc, m_i, l_i, q, row_first, row_last, full_start, full_end, k_head_ptr, v_head_ptr,
+        table_ptr, stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
+        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False)
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, row_last, full_end, end, k_head_ptr, v_head_ptr, table_ptr, stride_tn,
-        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True)
+        acc, m_i, l_i, q, row_first, row_last, masked_start, end, k_head_ptr, v_head_ptr,
+        table_ptr, stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
+        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, HAS_WINDOW)
 
+    if HAS_WINDOW:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows past q_len may see no key: no 0 / 0
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh
              + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=mask_md)
@@ -94,21 +118,29 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     q: ``[T, H, D]`` (any strides), the new tokens of S sequences concatenated: sequence s owns
     rows ``query_start_loc[s] .. query_start_loc[s+1]-1`` (``query_start_loc``: ``[S+1]`` int,
     non-decreasing, starting at 0). seq_lens: ``[S]`` int, cached prefix plus new tokens, at least
     the sequence's query length; new token i of sequence s sits at position
-    ``seq_lens[s] - q_len_s + i`` and attends keys ``0 ..`` that position. Every new token's K/V
-    must already be in the cache (write it first with ``write_kv``). k_cache, v_cache:
-    ``[num_blocks, block_size, KVH, D]``, q's dtype, any strides; query head h reads kv head
-    ``h // (H // KVH)``. block_tables: ``[S, max_blocks]`` int32/int64; entries past a
+    ``seq_lens[s] - q_len_s + i`` and attends keys ``0 ..`` that position (but see window). Every
+    new token's K/V must already be in the cache (write it first with ``write_kv``). k_cache,
+    v_cache: ``[num_blocks, block_size, KVH, D]``, q's dtype, any strides; query head h reads kv
+    head ``h // (H // KVH)``. block_tables: ``[S, max_blocks]`` int32/int64; entries past a
     sequence's last block are never read. max_query_len: an upper bound on every q_len (it sizes
     the grid; a larger bound only adds programs that exit at once). A sequence with q_len 1 is a
     decode, so one call can serve a mixed batch. out: ``[T, H, D]`` in q's dtype (any strides),
     allocated if None; returned. Rows of q not owned by any sequence are left untouched.
+
+    window: sliding-window size of this layer, the same for every sequence; None or 0 means full
+    causal attention. Otherwise the token at position p attends keys ``p - window < j <= p``
+    (Gemma 3 / Mistral sliding window), and a tile of new tokens reads only keys from its first
+    token's ``p - window + 1`` on, so table entries of blocks wholly before the window of a
+    sequence's first new token may be anything (e.g. a null block 0). Passed as a runtime int:
+    every window shares one compiled variant, and full attention compiles as without the option.
 
     CUDA graphs: no host synchronisation and no branch on tensor values; the grid depends on
     max_query_len, S and KVH only.
@@ -118,6 +150,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     head_dim = q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert block_tables.shape[0] == num_seqs and query_start_loc.shape == (num_seqs + 1,)
+    assert window is None or window >= 0
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -128,9 +161,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        group,
+        group, window or 0,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_N=block_n, BLOCK_D=padded_head_dim(head_dim), HEAD_DIM=head_dim,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=2,
+        PRECISION=dot_precision(q.dtype), HAS_WINDOW=bool(window), num_warps=num_warps,
+        num_stages=2,
     )
     return out

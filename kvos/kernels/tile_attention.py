@@ -59,12 +59,13 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 @triton.jit
 def attend_key_range(
-    acc, m_i, l_i, q, row_last, start, end,
+    acc, m_i, l_i, q, row_first, row_last, start, end,
     k_head_ptr, v_head_ptr, table_ptr, stride_table,
     stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
     scale_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """Fold keys at positions ``start .. end-1`` of one sequence into the softmax state.
 
@@ -73,10 +74,19 @@ def attend_key_range(
     block ``table[p // BLOCK_SIZE]`` at offset ``p % BLOCK_SIZE``; ``k_head_ptr`` / ``v_head_ptr``
     already point at this kv head. Keys are gathered BLOCK_N at a time, across page boundaries.
 
+    Only positions ``start .. end-1`` are read, from the table and from the caches.
+
     MASKED=False: every key in range is valid for every row and ``end - start`` is a multiple of
     BLOCK_N. MASKED=True: loads past ``end`` are masked and row r only sees keys
-    ``<= row_last[r]``. Either way the first key of the range must be visible to every row that
-    has seen no key yet, so a row's max is finite from its first tile on (no ``-inf - -inf``).
+    ``<= row_last[r]``; keys past ``end`` must be hidden by that too (``end`` is at most
+    ``row_last + 1`` of every row: the causal tail of a context). In both cases the first key of
+    the range must be visible to every row that has seen no key yet, so a row's max is finite from
+    its first tile on (no ``-inf - -inf``); row_first is ignored.
+
+    WINDOWED=True (sliding window; with MASKED only) drops both requirements, at the cost of a
+    few selects per tile: row r sees the keys ``row_first[r] .. row_last[r]`` of the range and no
+    others, and a row that sees no key (in a tile or in the whole range) keeps ``m_i = -inf``,
+    ``l_i = 0``.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -96,10 +106,19 @@ def attend_key_range(
                     + (offs_d * stride_kd)[None, :], mask=tile_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if MASKED:
-            s = tl.where(pos[None, :] <= row_last[:, None], s, float("-inf"))
+            visible = pos[None, :] <= row_last[:, None]
+            if WINDOWED:
+                visible = visible & (pos[None, :] >= row_first[:, None]) & in_range[None, :]
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if WINDOWED:
+            # A row with no visible key so far keeps m = -inf; subtract 0 instead, so its alpha
+            # and p are exp2(-inf) = 0 rather than NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head_ptr + (block * stride_vb + offset * stride_vo)[:, None]
                     + (offs_d * stride_vd)[None, :], mask=tile_mask, other=0.0)

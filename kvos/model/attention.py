@@ -34,26 +34,34 @@ class AttentionMetadata:
     max_prefill_len: int = 0
 
 
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""One layer's K and V caches, each ``[num_blocks, block_size, kv_heads, head_dim]`` (any strides)."""
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache, then attends over each sequence's blocks.
 
     Safety rule: the blocks named by ``block_tables`` must be referenced by their sequences for
     the whole step; slots in ``slot_mapping`` belong to blocks no other sequence writes this step.
+    With a ``window``, table entries of blocks wholly before every query's window may be the
+    null block (0): they are never needed for the result.
     """
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
-        Returns [T, H, D]."""
+                scale: float, window: int | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D] (any
+        strides: a layer's view into a page-major pool). A query at position p attends keys at
+        positions ``p - window < j <= p`` (all ``j <= p`` without a window). Returns [T, H, D]."""
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    bs = k_cache.shape[1]
+    blocks, offsets = slot_mapping // bs, slot_mapping % bs
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -63,17 +71,17 @@ class TorchReferenceBackend(AttentionBackend):
     alone with a causal mask offset by its cached prefix. The numerical oracle for other backends.
     """
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
         t = nd
         for i in range(nd, len(meta.query_lens_list)):
             n, ctx = meta.query_lens_list[i], meta.seq_lens_list[i]
             out[t : t + n] = self._prefill(q[t : t + n], k_cache, v_cache, meta.block_tables[i], ctx,
-                                           meta.block_size, scale)
+                                           meta.block_size, scale, window)
             t += n
         return out
 
@@ -81,7 +89,8 @@ class TorchReferenceBackend(AttentionBackend):
     """Decodes are padded per group of this many sequences of similar length, not to the
     longest context of the whole batch."""
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None) -> torch.Tensor:
         nd = q.shape[0]
         lens = meta.seq_lens_list[:nd]
         order = sorted(range(nd), key=lens.__getitem__)
@@ -90,33 +99,44 @@ class TorchReferenceBackend(AttentionBackend):
             rows = order[g : g + self.DECODE_GROUP]
             idx = torch.tensor(rows, device=q.device)
             out[idx] = self._decode_group(q[idx], k_cache, v_cache, meta.block_tables[idx],
-                                          meta.seq_lens[idx], lens[rows[-1]], meta.block_size, scale)
+                                          meta.seq_lens[idx], lens[rows[-1]], meta.block_size, scale,
+                                          window)
         return out
 
     @staticmethod
     def _decode_group(q, k_cache, v_cache, tables, seq_lens, max_len: int, block_size: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int | None = None) -> torch.Tensor:
         n = q.shape[0]
         nb = -(-max_len // block_size)
         tables = tables[:, :nb]
         kvh, d = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[tables].view(n, nb * block_size, kvh, d).transpose(1, 2)
-        values = v_cache[tables].view(n, nb * block_size, kvh, d).transpose(1, 2)
+        keys = k_cache[tables].reshape(n, nb * block_size, kvh, d).transpose(1, 2)
+        values = v_cache[tables].reshape(n, nb * block_size, kvh, d).transpose(1, 2)
         pos = torch.arange(nb * block_size, device=q.device)
-        mask = (pos[None, :] < seq_lens[:, None]).view(n, 1, 1, -1)
+        mask = pos[None, :] < seq_lens[:, None]
+        if window:
+            mask &= pos[None, :] >= seq_lens[:, None] - window
+        mask = mask.view(n, 1, 1, -1)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, table, ctx: int, block_size: int, scale: float) -> torch.Tensor:
+    def _prefill(q, k_cache, v_cache, table, ctx: int, block_size: int, scale: float,
+                 window: int | None = None) -> torch.Tensor:
         n = q.shape[0]
         nb = -(-ctx // block_size)
         kvh, d = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[table[:nb]].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
-        values = v_cache[table[:nb]].view(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+        keys = k_cache[table[:nb]].reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+        values = v_cache[table[:nb]].reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)
-        if n == ctx:
+        if window and window < ctx:
+            qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            mask = (kpos <= qpos) & (kpos > qpos - window)
+            o = F.scaled_dot_product_attention(qh, keys.to(q.dtype), values.to(q.dtype),
+                                               attn_mask=mask, scale=scale, enable_gqa=True)
+        elif n == ctx:
             o = F.scaled_dot_product_attention(qh, keys.to(q.dtype), values.to(q.dtype),
                                                is_causal=True, scale=scale, enable_gqa=True)
         else:

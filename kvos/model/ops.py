@@ -64,3 +64,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return kernel(x)
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of x = ``[gate | up]`` (Gemma's gated MLP,
+    transformers' ``gelu_pytorch_tanh``)."""
+    if use_kernels(x):
+        from kvos.kernels.elementwise import gelu_tanh_and_mul as kernel
+
+        return kernel(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm, ``(normalize(x) * weight)`` in float32 rounded once to x's dtype, where
+    ``weight`` holds the effective ``1 + w`` (transformers' ``Gemma3RMSNorm`` computes
+    ``1.0 + w.float()``); with ``residual``, first ``x = x + residual`` and return ``(normed, x)``.
+    For float32 x this is exactly ``rms_norm`` (kernel included); other dtypes round only after
+    the weight product (the kernel's ``weight_first`` mode on a GPU)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return rms_norm(x, weight, eps, residual)
+    if use_kernels(x):
+        from kvos.kernels.elementwise import rms_norm as kernel
+
+        return kernel(x, weight, eps, residual, weight_first=True)
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = (h * weight.float()).to(x.dtype)
+    return out if residual is None else (out, x)

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvos.cache.layout import CacheLayout
 from kvos.engine.scheduler import SchedulerOutput
-from kvos.model.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend
+from kvos.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchReferenceBackend
 from kvos.model.cuda_graphs import DecodeGraphs
 from kvos.model.loader import load_model
 from kvos.model.ops import triton_enabled
@@ -49,9 +50,11 @@ def default_backend(device: torch.device) -> AttentionBackend:
 class ModelRunner:
     """Executes one scheduled step: copy-on-write copies, the forward pass, sampling.
 
-    The K/V tensor is ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``; block ids
-    from the KV memory system index its third dimension. It is zero-initialised so that padding
-    (the null block) is finite.
+    The KV pool is one zero-initialised buffer of ``num_pages`` large pages (so padding and the
+    null block are finite). Cache group g views it as ``[num_blocks_g, layer_slots_g, 2,
+    block_size, kv_heads, head_dim]`` (page-major: one block holds every layer of its group);
+    block ids of group g index the first dimension, and layer l reads the slot its group gives
+    it (``kv_layers[l]``).
     """
 
     def __init__(self, model_path: Path, dtype: torch.dtype, device: torch.device,
@@ -62,7 +65,13 @@ class ModelRunner:
         self.backend = backend or default_backend(device)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
-        self.kv_caches: torch.Tensor | None = None
+        self.layout: CacheLayout | None = None
+        self.kv_buffer: torch.Tensor | None = None
+        self.group_caches: list[torch.Tensor] = []
+        """Per cache group: ``[num_blocks, layer_slots, 2, block_size, kv_heads, head_dim]``."""
+        self.kv_layers: list[KVCache] = []
+        """Per model layer: its (K, V) views ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        self.layer_group: list[int] = []
         self.block_size = 0
         self._generators: dict[str, torch.Generator] = {}
         self._last_tokens: torch.Tensor | None = None
@@ -83,6 +92,7 @@ class ModelRunner:
         bs = 16
         nb = -(-max_num_batched_tokens // bs) + 1
         scratch = torch.zeros(c.num_layers, 2, nb, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=dev)
+        layers = [(scratch[i, 0], scratch[i, 1]) for i in range(c.num_layers)]
         n = max_num_batched_tokens
         meta = AttentionMetadata(
             slot_mapping=torch.arange(bs, bs + n, device=dev),
@@ -91,7 +101,7 @@ class ModelRunner:
             num_decodes=0, block_size=bs, prefill_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
             max_prefill_len=n)
         ids = torch.randint(0, c.vocab_size, (n,), device=dev)
-        hidden = self.model(ids, torch.arange(n, device=dev), scratch, meta, self.backend)
+        hidden = self.model(ids, torch.arange(n, device=dev), layers, [meta] * c.num_layers, self.backend)
         self.model.compute_logits(hidden[: min(n, 256)])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - scratch.numel() * scratch.element_size()
@@ -104,17 +114,30 @@ class ModelRunner:
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """CUDA graphs for decode steps of up to ``max_num_seqs`` sequences of up to
         ``min(max_model_len, 8192)`` tokens (longer or larger steps run eagerly)."""
-        assert self.kv_caches is not None, "allocate_kv_cache first"
+        assert self.kv_buffer is not None, "allocate_kv_cache first"
         max_blocks = -(-min(max_model_len, 8192) // self.block_size)
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.block_size,
-                                       min(max_num_seqs, 256), max_blocks)
+            self.graphs = DecodeGraphs(self.model, self.kv_layers, self.layer_group, len(self.group_caches),
+                                       self.backend, self.block_size, min(max_num_seqs, 256), max_blocks)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, layout: CacheLayout, num_pages: int) -> None:
+        """One buffer of ``num_pages`` large pages, viewed per group and per layer."""
         c = self.cfg
-        self.block_size = block_size
-        self.kv_caches = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads,
-                                     c.head_dim, dtype=self.dtype, device=self.device)
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.kv_buffer = torch.zeros(num_pages * layout.large_page_bytes, dtype=torch.uint8, device=self.device)
+        flat = self.kv_buffer.view(self.dtype)
+        self.group_caches = []
+        for g, group in enumerate(layout.groups):
+            s = group.spec
+            self.group_caches.append(flat.view(num_pages * layout.blocks_per_large_page(g), s.num_layers, 2,
+                                               s.block_size, s.num_kv_heads, s.head_dim))
+        self.kv_layers, self.layer_group = [], []
+        for layer in range(c.num_layers):
+            g, slot = layout.layer_slot(layer)
+            view = self.group_caches[g]
+            self.kv_layers.append((view[:, slot, 0], view[:, slot, 1]))
+            self.layer_group.append(g)
 
     READ_CHUNK_BYTES = 256 << 20
     """Most device memory ``read_blocks`` gathers into at once (before each device-to-host copy)."""
@@ -122,8 +145,13 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block's K and V across all layers (one row of ``read_blocks``)."""
-        assert self.kv_caches is not None
-        return self.kv_caches[:, :, 0].numel() * self.kv_caches.element_size()
+        kv = self._single_group_cache()
+        return kv[0].numel() * kv.element_size()
+
+    def _single_group_cache(self) -> torch.Tensor:
+        if len(self.group_caches) != 1:
+            raise ValueError("block reads and writes (tiers, swap) need a single cache group")
+        return self.group_caches[0]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks' K and V as rows of a host ``uint8`` tensor ``[n, block_bytes]`` (each row
@@ -131,10 +159,9 @@ class ModelRunner:
         GPU: one gather and one device-to-host copy per ``READ_CHUNK_BYTES``; returns when the
         copy is complete. Only valid while the blocks' content is what their owner says: call
         before the blocks are handed to someone else."""
-        kv = self.kv_caches
-        assert kv is not None
+        kv = self._single_group_cache()
         n, bb = len(block_ids), self.block_bytes
-        by_block = kv.permute(2, 0, 1, 3, 4, 5)
+        by_block = kv
         idx = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
         if kv.device.type == "cpu":
             return by_block[idx].contiguous().view(torch.uint8).view(n, bb)
@@ -149,12 +176,9 @@ class ModelRunner:
         returns, contiguous, on any device) with one device-side scatter, queued on the current
         stream. Only into blocks their request owns. A host ``rows`` is copied to the device
         first (asynchronously when pinned: torch keeps its memory until the copy is done)."""
-        kv = self.kv_caches
-        assert kv is not None
-        layers, two, _, bs, heads, dim = kv.shape
-        src = rows.to(kv.device, non_blocking=True).view(self.dtype)
-        src = src.view(len(block_ids), layers, two, bs, heads, dim).permute(1, 2, 0, 3, 4, 5)
-        kv.index_copy_(2, torch.tensor(block_ids, dtype=torch.long, device=kv.device), src)
+        kv = self._single_group_cache()
+        src = rows.to(kv.device, non_blocking=True).view(self.dtype).view(len(block_ids), *kv.shape[1:])
+        kv.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=kv.device), src)
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -174,8 +198,9 @@ class ModelRunner:
         qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, n)
         starts = np.fromiter((s.start for s in seqs), np.int64, n)
         seq_lens = starts + qlens
-        block_lists = [s.block_ids for s in seqs]
-        tables = np.zeros((n, max(map(len, block_lists))), np.int32)
+        G = len(self.group_caches)
+        block_lists = [s.block_ids for s in seqs]  # per sequence, per group; every group's table is as long
+        tables = np.zeros((G, n, max(len(b[0]) for b in block_lists)), np.int32)
         logit_rows, row_ids, sample_rows, targets, ids = [], [], [], [], []
         feed_dst, feed_src = [], []  # input positions whose token is still on the device
         last_rows: dict[str, int] | None = None
@@ -193,7 +218,8 @@ class ModelRunner:
                 feed_dst.append(len(ids))
                 feed_src.append(last_rows[rid])
                 ids.append(0)
-            tables[i, : len(block_lists[i])] = block_lists[i]
+            for g, blocks in enumerate(block_lists[i]):
+                tables[g, i, : len(blocks)] = blocks
             t += s.num_new_tokens
             if s.samplers:
                 row = len(logit_rows)
@@ -204,27 +230,31 @@ class ModelRunner:
                     targets.append(target.request_id)
         ends = np.cumsum(qlens)
         positions = np.arange(ends[-1]) - np.repeat(ends - qlens - starts, qlens)
-        slots = tables[np.repeat(np.arange(n), qlens), positions // bs].astype(np.int64) * bs + positions % bs
+        slots = tables[:, np.repeat(np.arange(n), qlens), positions // bs].astype(np.int64) * bs + positions % bs
         nd = int(np.count_nonzero(qlens == 1))
         prefill_loc = np.concatenate([[0], np.cumsum(qlens[nd:])])
         # one host-to-device copy for every int64 input of the step (and one for the tables)
-        packed = np.concatenate([ids, positions, slots, logit_rows, feed_dst, feed_src, seq_lens,
+        packed = np.concatenate([ids, positions, slots.reshape(-1), logit_rows, feed_dst, feed_src, seq_lens,
                                  prefill_loc]).astype(np.int64)
         packed = to_device(packed, torch.int64, self.device)
         T, L, F = len(ids), len(logit_rows), len(feed_dst)
-        input_ids, pos_t, slots_t = packed[:T], packed[T : 2 * T], packed[2 * T : 3 * T]
-        logit_idx = packed[3 * T : 3 * T + L]
+        input_ids, pos_t = packed[:T], packed[T : 2 * T]
+        slots_t = packed[2 * T : (2 + G) * T].view(G, T)
+        o = (2 + G) * T
+        logit_idx = packed[o : o + L]
         if F:
             assert self._last_tokens is not None
-            dst, src = packed[3 * T + L : 3 * T + L + F], packed[3 * T + L + F : 3 * T + L + 2 * F]
+            dst, src = packed[o + L : o + L + F], packed[o + L + F : o + L + 2 * F]
             input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
-        rest = packed[3 * T + L + 2 * F :].to(torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=slots_t, block_tables=to_device(tables, torch.int32, self.device),
-            seq_lens=rest[:n], query_lens_list=qlens.tolist(), seq_lens_list=seq_lens.tolist(),
-            num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
-            max_prefill_len=int(qlens[nd:].max()) if nd < n else 0)
-        return input_ids, pos_t, meta, logit_idx, row_ids, sample_rows, targets
+        rest = packed[o + L + 2 * F :].to(torch.int32)
+        tables_t = to_device(tables, torch.int32, self.device)
+        qlist, slist = qlens.tolist(), seq_lens.tolist()
+        max_prefill = int(qlens[nd:].max()) if nd < n else 0
+        metas = [AttentionMetadata(
+            slot_mapping=slots_t[g], block_tables=tables_t[g], seq_lens=rest[:n], query_lens_list=qlist,
+            seq_lens_list=slist, num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
+            max_prefill_len=max_prefill) for g in range(G)]
+        return input_ids, pos_t, metas, tables_t, slots_t, logit_idx, row_ids, sample_rows, targets
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
@@ -240,18 +270,19 @@ class ModelRunner:
         sees every write of the steps launched before it."""
         for rid in out.finished_ids:
             self._generators.pop(rid, None)
-        assert self.kv_caches is not None, "allocate_kv_cache first"
-        for src, dst in out.copies:
-            self.kv_caches[:, :, dst].copy_(self.kv_caches[:, :, src])
+        assert self.kv_buffer is not None, "allocate_kv_cache first"
+        for group, src, dst in out.copies:
+            self.group_caches[group][dst].copy_(self.group_caches[group][src])
         if out.is_empty:
             return LaunchedStep([], None)
-        input_ids, positions, meta, logit_idx, row_ids, sample_rows, targets = self._prepare(out)
-        g = self.graphs
+        input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets = self._prepare(out)
+        meta, g = metas[0], self.graphs
         if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
-                g.can_run(meta.num_decodes, meta.block_tables.shape[1]):
-            hidden = g.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+                g.can_run(meta.num_decodes, tables.shape[2]):
+            hidden = g.run(input_ids, positions, slots, tables, meta.seq_lens)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            layer_metas = [metas[g] for g in self.layer_group]
+            hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
         if not row_ids:
             return LaunchedStep([], None)
         logits = self.model.compute_logits(hidden[logit_idx])

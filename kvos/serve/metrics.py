@@ -36,6 +36,22 @@ class _EngineCollector(Collector):
         for state in ("free", "cached", "used"):
             blocks.add_metric([state], s[state])
         yield blocks
+        groups = GaugeMetricFamily("kvos:kv_cache_group_blocks", "Blocks of each cache group (layer kind) by state.",
+                                   labels=["group", "kind", "state"])
+        for i, g in enumerate(s.get("groups", [])):
+            for state in ("free", "cached", "used"):
+                groups.add_metric([str(i), g["kind"], state], g[state])
+        yield groups
+        memory = s.get("memory")
+        if memory is not None:
+            yield GaugeMetricFamily("kvos:kv_cache_held_bytes", "KV bytes held for running requests "
+                                    "(their blocks plus free small pages inside split large pages).",
+                                    value=memory["held_bytes"])
+            yield GaugeMetricFamily("kvos:kv_cache_waste_bytes", "Held KV bytes not holding live tokens "
+                                    "(partial blocks, padding, tokens past a window, fragmentation).",
+                                    value=memory["waste_bytes"])
+            yield GaugeMetricFamily("kvos:kv_cache_waste_perc", "Fraction of held KV bytes that is waste.",
+                                    value=memory["waste_fraction"])
         yield GaugeMetricFamily("kvos:num_requests_running", "Sequences in the running batch.", value=s["running"])
         yield GaugeMetricFamily("kvos:num_requests_waiting", "Sequences waiting to be scheduled.",
                                 value=s["waiting"])

@@ -1,9 +1,7 @@
 """Era 1 allocation for comparison: each request reserves its maximum length up front."""
 from __future__ import annotations
 
-from kvos.cache.block import KVBlock
-from kvos.cache.full_attention import cdiv
-from kvos.cache.kv_manager import KVCacheManager
+from kvos.cache.kv_manager import ComputedBlocks, KVCacheManager
 from kvos.cache.sequence import CacheableSequence
 from kvos.cache.spec import FullAttentionSpec
 
@@ -16,16 +14,8 @@ class ContiguousKVManager(KVCacheManager):
         super().__init__(spec, num_blocks, model_id="contiguous", enable_caching=False)
         self.reserve_tokens = reserve_tokens
 
-    def get_computed_blocks(self, seq: CacheableSequence) -> tuple[list[KVBlock], int]:
-        return [], 0
-
     def allocate_slots(self, seq: CacheableSequence, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> bool:
-        table = self.group.tables.get(seq.request_id)
-        if table is None:
-            need = cdiv(self.reserve_tokens, self.block_size)
-            if need > self.pool.num_free_blocks():
-                return False
-            self.group.tables[seq.request_id] = self.pool.get_new_blocks(need)
-            return True
-        return seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+                       new_computed: ComputedBlocks | None = None) -> bool:
+        if not self.num_held_blocks(seq.request_id):
+            return super().allocate_slots(seq, max(self.reserve_tokens, num_new_tokens) - seq.num_computed_tokens)
+        return seq.num_computed_tokens + num_new_tokens <= self.num_held_blocks(seq.request_id) * self.block_size

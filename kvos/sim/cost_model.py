@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvos.sim.hardware import GPU, KV_BYTES, WEIGHT_BYTES
+from kvos.sim.hardware import GPU, WEIGHT_BYTES, kv_bytes_per_token
 from kvos.sim.shapes import ModelShape
 
 
@@ -16,6 +16,8 @@ class CostModel:
 
     FLOPs: 2 × params per computed token plus attention (4 × layers × heads × head_dim per
     query-key pair). KV read: every scheduled sequence reads its whole context once per step.
+    Sliding-window layers (``sliding_fraction`` of them) read and attend to at most
+    ``sliding_window`` keys: the caller passes the windowed context and pairs too.
     """
 
     weight_bytes: float
@@ -27,17 +29,28 @@ class CostModel:
     overhead_s: float = 0.0005
     mem_scale: float = 1.0
     compute_scale: float = 1.0
+    sliding_window: int | None = None
+    sliding_fraction: float = 0.0
 
     @classmethod
     def for_model(cls, shape: ModelShape, gpu: GPU, weight_dtype: str = "bf16", kv_dtype: str = "fp16",
                   tp: int = 1) -> CostModel:
-        per_token = 2 * max(1, shape.num_kv_heads // tp) * shape.head_dim * KV_BYTES[kv_dtype] * shape.num_layers
+        per_token = kv_bytes_per_token(shape.num_layers, max(1, shape.num_kv_heads // tp), shape.head_dim, kv_dtype)
         return cls(weight_bytes=shape.params * WEIGHT_BYTES[weight_dtype] / tp, kv_bytes_per_token=per_token,
                    params=shape.params / tp,
                    attn_flops_per_pair=4 * shape.num_layers * shape.num_heads * shape.head_dim / tp,
-                   bandwidth=gpu.bandwidth, flops=gpu.flops)
+                   bandwidth=gpu.bandwidth, flops=gpu.flops,
+                   sliding_window=shape.sliding_window if shape.sliding_layers else None,
+                   sliding_fraction=shape.sliding_layers / shape.num_layers)
 
-    def step_time(self, num_tokens: int, context_tokens: int, attn_pairs: int) -> float:
+    def step_time(self, num_tokens: int, context_tokens: int, attn_pairs: int,
+                  window_context: int | None = None, window_pairs: int | None = None) -> float:
+        """``window_context`` / ``window_pairs``: the same counted with each query seeing at most
+        ``sliding_window`` keys (default: the unwindowed figures)."""
+        if self.sliding_fraction and window_context is not None:
+            f = self.sliding_fraction
+            context_tokens = (1 - f) * context_tokens + f * window_context
+            attn_pairs = (1 - f) * attn_pairs + f * (window_pairs if window_pairs is not None else attn_pairs)
         mem = (self.weight_bytes + context_tokens * self.kv_bytes_per_token) / self.bandwidth
         comp = (2 * self.params * num_tokens + self.attn_flops_per_pair * attn_pairs) / self.flops
         return self.overhead_s + max(mem * self.mem_scale, comp * self.compute_scale)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvos.cache.spec import DTYPE_BYTES, FullAttentionSpec
+
 GIB = 1 << 30
 
 
@@ -24,7 +26,15 @@ GPUS = {g.name: g for g in [
 ]}
 
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+KV_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int8": "int8"}
+"""The planner's KV dtype names and the cache's (``kvos.cache.spec.DTYPE_BYTES``) for each."""
+KV_BYTES = {name: DTYPE_BYTES[spec] for name, spec in KV_DTYPES.items()}
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """K and V of one token over ``num_layers`` layers: the cache's own formula
+    (``KVCacheSpec.bytes_per_token``), so the planner, the simulator and the engine agree."""
+    return FullAttentionSpec(1, num_layers, num_kv_heads, head_dim, KV_DTYPES.get(kv_dtype, kv_dtype)).bytes_per_token
 
 
 def resolve_gpu(name: str | None, memory_gib: float | None = None, bandwidth_tbs: float | None = None,

@@ -10,6 +10,12 @@ EXAMPLES = """examples:
   kvos plan --model path/to/config.json --gpu L4 --weight-dtype int4 --tensor-parallel 2
   kvos plan --model model.gguf --gpu-memory-gib 48 --gpu-bandwidth-tbs 0.96 --gpu-tflops 181
   kvos plan --model gemma-3-270m --gpu L4 --context-len 8192 --length-dist 256:8192
+  kvos plan --model gemma-3-27b --context-len 32768   # hybrid: homogeneous vs equal pages vs unified
+
+For a hybrid model (sliding-window and full-attention layers) the plan also compares the KV cache
+layouts side by side at --context-len (+ --output-len) tokens per request: cache groups, page
+size, pages per request, max concurrent requests and the KV waste at that load; "paged" is then
+the unified layout (the engine's default).
 """
 
 

@@ -1,14 +1,21 @@
-"""Memory math: KV bytes per token and request, pool size, concurrency, decode roofline."""
+"""Memory math: KV bytes per token and request, pool size, concurrency, decode roofline.
+
+Hybrid models (sliding-window and full-attention layers) are also planned with the cache's own
+layouts (``kvos.cache.layout``): homogeneous, equal pages and unified, side by side.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvos.sim.hardware import GIB, GPU, KV_BYTES, WEIGHT_BYTES
+from kvos.cache.full_attention import cdiv
+from kvos.cache.layout import LAYOUTS, CacheLayout, build_layout
+from kvos.cache.spec import KVCacheSpec
+from kvos.sim.hardware import GIB, GPU, KV_BYTES, KV_DTYPES, WEIGHT_BYTES, kv_bytes_per_token
 from kvos.sim.shapes import ModelShape
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+LAYOUT_ORDER = ("homogeneous", "equal_pages", "unified")
+"""How the planner lists the layouts: no hybrid support, vLLM's, Jenga's (the engine's default)."""
+assert set(LAYOUT_ORDER) == set(LAYOUTS)
 
 
 @dataclass
@@ -39,10 +46,81 @@ class PlanInput:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
+    """KV heads split over TP (replicated once TP exceeds them)."""
+    return max(1, shape.num_kv_heads // tp)
+
+
 def kv_per_layer_token(shape: ModelShape, kv_dtype: str, tp: int) -> int:
-    """K and V of one token in one layer, on one GPU (KV heads split over TP, replicated below 1)."""
-    heads = max(1, shape.num_kv_heads // tp)
-    return 2 * heads * shape.head_dim * KV_BYTES[kv_dtype]
+    """K and V of one token in one layer, on one GPU."""
+    return kv_bytes_per_token(1, kv_heads_per_gpu(shape, tp), shape.head_dim, kv_dtype)
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks a sliding layer group holds for one request in steady decode: the next
+    token reads the ``window - 1`` tokens before it, which with the token itself can touch
+    ``cdiv(window - 1, block_size) + 1`` blocks (``SlidingWindowManager.remove_skipped_blocks``
+    frees the blocks before them). A prefill chunk holds up to the chunk's blocks more, briefly."""
+    return cdiv(window - 1, block_size) + 1
+
+
+def group_blocks(spec: KVCacheSpec, tokens: int) -> int:
+    """Blocks one cache group holds for a request of ``tokens`` tokens (at its peak)."""
+    blocks = cdiv(tokens, spec.block_size)
+    window = getattr(spec, "window", None)
+    return blocks if window is None else min(blocks, window_blocks(window, spec.block_size))
+
+
+def model_layout(shape: ModelShape, kv_dtype: str, block_size: int, mode: str, tp: int = 1) -> CacheLayout:
+    """The cache layout the engine would build for ``shape`` on one GPU of a TP group."""
+    return build_layout(shape.layer_windows(), block_size, kv_heads_per_gpu(shape, tp), shape.head_dim,
+                        KV_DTYPES.get(kv_dtype, kv_dtype), mode)
+
+
+def layout_capacity(layout: CacheLayout, tokens: int, kv_memory: int) -> dict:
+    """How many requests of ``tokens`` tokens one pool of ``kv_memory`` bytes holds at once.
+
+    Each group ``g`` holds ``group_blocks`` blocks per request; its small pages (blocks) are
+    packed ``blocks_per_large_page(g)`` to a large page, shared by all of the group's requests
+    (the block pool hands a group's free small pages to any request), so ``n`` requests take
+    ``sum_g cdiv(n * blocks_g, per_g)`` large pages: the rounding is once per group, not per
+    request. Page 0 holds the null blocks and is not usable. Exact integer math.
+    """
+    blocks = [group_blocks(g.spec, tokens) for g in layout.groups]
+    per = [layout.blocks_per_large_page(g) for g in range(len(layout.groups))]
+    page = layout.large_page_bytes
+    num_pages = layout.num_pages_for_memory(kv_memory)
+    usable = max(0, num_pages - 1)
+
+    def pages_for(n: int) -> int:
+        return sum(cdiv(n * b, p) for b, p in zip(blocks, per))
+
+    lo, hi = 0, usable * max(per) + 1  # pages_for(hi) > usable: a request takes >= 1 block
+    while hi - lo > 1:  # largest n with pages_for(n) <= usable
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if pages_for(mid) <= usable else (lo, mid)
+    n = lo
+    allocated = pages_for(n) * page
+    live = n * layout.live_bytes(tokens)
+    per_request = sum(b * g.spec.page_bytes for b, g in zip(blocks, layout.groups))
+    return {
+        "kv_layout": layout.mode, "num_groups": len(layout.groups), "page_bytes": page,
+        "num_pages": num_pages,
+        "groups": [{**d, "blocks_per_request": b} for d, b in zip(layout.describe(), blocks)],
+        "large_pages_per_request": per_request / page,
+        "kv_bytes_per_request": per_request,
+        "live_bytes_per_request": layout.live_bytes(tokens),
+        "max_concurrent_requests": n,
+        "allocated_bytes": allocated, "live_bytes": live,
+        "waste_fraction": 1 - live / allocated if allocated else 0.0,
+    }
+
+
+def plan_layouts(shape: ModelShape, kv_dtype: str, block_size: int, tokens: int, kv_memory: int,
+                 tp: int = 1) -> dict[str, dict]:
+    """``layout_capacity`` of each layout, homogeneous first."""
+    return {mode: layout_capacity(model_layout(shape, kv_dtype, block_size, mode, tp), tokens, kv_memory)
+            for mode in LAYOUT_ORDER}
 
 
 def kv_bytes_for_len(shape: ModelShape, per_layer: int, tokens: int, block_size: int | None) -> int:
@@ -55,7 +133,7 @@ def kv_bytes_for_len(shape: ModelShape, per_layer: int, tokens: int, block_size:
         full = cdiv(tokens, block_size) * block_size
         slide_blocks = cdiv(tokens, block_size)
         if shape.sliding_window:
-            slide_blocks = min(slide_blocks, cdiv(shape.sliding_window, block_size) + 1)
+            slide_blocks = min(slide_blocks, window_blocks(shape.sliding_window, block_size))
         slide = slide_blocks * block_size
     return per_layer * (shape.full_layers * full + shape.sliding_layers * slide)
 
@@ -71,10 +149,18 @@ def plan(p: PlanInput) -> dict:
     budget = int(g.memory_bytes * p.gpu_memory_utilization)
     kv_memory = max(0, budget - weights - act)
     per_req_exact = kv_bytes_for_len(s, per_layer, total_len, None)
-    per_req_paged = kv_bytes_for_len(s, per_layer, mean_len, p.block_size)
     contiguous_req = per_layer * s.num_layers * total_len  # Era 1: max length, every layer
-    page = per_layer * s.num_layers * p.block_size
-    max_paged = kv_memory // per_req_paged if per_req_paged else 0
+    layouts = None
+    if s.is_hybrid:  # paged = the engine's default layout (unified), from the cache's own layout
+        layouts = plan_layouts(s, p.kv_dtype, p.block_size, total_len, kv_memory, tp)
+        paged = (layouts["unified"] if mean_len == total_len else
+                 layout_capacity(model_layout(s, p.kv_dtype, p.block_size, "unified", tp), mean_len, kv_memory))
+        max_paged, page, num_pages = paged["max_concurrent_requests"], paged["page_bytes"], paged["num_pages"]
+    else:
+        per_req_paged = kv_bytes_for_len(s, per_layer, mean_len, p.block_size)
+        page = per_layer * s.num_layers * p.block_size
+        max_paged = kv_memory // per_req_paged if per_req_paged else 0
+        num_pages = kv_memory // page if page else 0
     max_contig = kv_memory // contiguous_req if contiguous_req else 0
     batch = max(1, min(max_paged, 4096))
     kv_read = kv_bytes_for_len(s, per_layer, mean_len, None) * batch
@@ -87,7 +173,7 @@ def plan(p: PlanInput) -> dict:
                                      "bytes_per_token": per_layer * s.sliding_layers,
                                      "bytes_per_request_capped": per_layer * s.sliding_layers
                                      * min(total_len, s.sliding_window or total_len)}
-    return {
+    out = {
         "model": s.name, "gpu": g.name, "tensor_parallel": tp, "weight_dtype": p.weight_dtype,
         "kv_dtype": p.kv_dtype, "params": s.params, "context_len": total_len, "block_size": p.block_size,
         "kv_bytes_per_token": per_layer * s.num_layers,
@@ -100,7 +186,7 @@ def plan(p: PlanInput) -> dict:
         "gpu_memory_bytes": g.memory_bytes, "memory_budget_bytes": budget, "weight_bytes": weights,
         "activation_bytes": act, "kv_memory_bytes": kv_memory, "kv_memory_gib": kv_memory / GIB,
         "fits": kv_memory > 0,
-        "page_bytes": page, "num_blocks": kv_memory // page if page else 0,
+        "page_bytes": page, "num_blocks": num_pages,
         "max_concurrent_requests_paged": max_paged,
         "max_concurrent_requests_contiguous": max_contig,
         "fits_num_requests": max_paged >= p.num_requests,
@@ -108,26 +194,41 @@ def plan(p: PlanInput) -> dict:
         "decode_bound": "memory" if step_mem >= step_flops else "compute",
         "decode_tokens_per_s": batch / step,
     }
+    if layouts is not None:
+        out["kv_layouts"] = layouts
+    return out
 
 
 def format_plan(r: dict) -> str:
     gib = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
+    layouts = r.get("kv_layouts")
     rows = [
         ("model / GPU", f"{r['model']} on {r['gpu']} (TP {r['tensor_parallel']}), weights {r['weight_dtype']}, "
                         f"KV {r['kv_dtype']}"),
         ("parameters", f"{r['params'] / 1e9:,.2f} B ({gib(r['weight_bytes'])} per GPU)"),
         ("KV per token", f"{r['kv_bytes_per_token']:,} B"),
     ]
-    for kind, d in r["kv_bytes_per_token_by_layer_type"].items():
-        extra = f", window {d['window']}" if "window" in d else ""
-        rows.append((f"  {kind}", f"{d['layers']} layers, {d['bytes_per_token']:,} B/token{extra}"))
+    if layouts:  # the unified layout's groups: one per kind of layer
+        for g in layouts["unified"]["groups"]:
+            extra = (f", window {g['window']:,} (holds <= {g['blocks_per_request']:,} blocks)"
+                     if g["window"] is not None else "")
+            rows.append((f"  {g['kind']}", f"{len(g['layers'])} layers, {g['bytes_per_token']:,} B/token{extra}"))
+    else:
+        for kind, d in r["kv_bytes_per_token_by_layer_type"].items():
+            extra = f", window {d['window']}" if "window" in d else ""
+            rows.append((f"  {kind}", f"{d['layers']} layers, {d['bytes_per_token']:,} B/token{extra}"))
     rows += [
         (f"KV per request ({r['context_len']:,} tok)", f"{r['kv_bytes_per_request']:,} B = {gib(r['kv_bytes_per_request'])}"),
         (f"KV for {r['num_requests']} requests", gib(r["kv_bytes_for_num_requests"])),
         ("memory for KV", f"{gib(r['kv_memory_bytes'])} (budget {gib(r['memory_budget_bytes'])} - weights - "
                           f"activations {gib(r['activation_bytes'])})"),
-        ("blocks in pool", f"{r['num_blocks']:,} x {r['block_size']} tokens ({r['page_bytes']:,} B each)"),
-        ("max concurrent (paged)", f"{r['max_concurrent_requests_paged']:,}"),
+    ]
+    if layouts:
+        rows += [("max concurrent (paged)", f"{r['max_concurrent_requests_paged']:,} (unified layout)")]
+    else:
+        rows += [("blocks in pool", f"{r['num_blocks']:,} x {r['block_size']} tokens ({r['page_bytes']:,} B each)"),
+                 ("max concurrent (paged)", f"{r['max_concurrent_requests_paged']:,}")]
+    rows += [
         ("max concurrent (contiguous)", f"{r['max_concurrent_requests_contiguous']:,}"),
         ("decode roofline", f"batch {r['decode_batch']}: {r['decode_step_s'] * 1e3:,.2f} ms/step, "
                             f"{r['decode_tokens_per_s']:,.0f} tok/s ({r['decode_bound']}-bound)"),
@@ -135,4 +236,44 @@ def format_plan(r: dict) -> str:
     if not r["fits"]:
         rows.append(("WARNING", "the weights do not leave room for any KV cache: raise TP or lower precision"))
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    if layouts:
+        text += "\n\n" + format_layouts(layouts, r["context_len"], r["block_size"])
+    return text
+
+
+def _groups_text(lay: dict) -> tuple[str, str]:
+    """(layer slots per group, blocks per request per group), runs of like groups folded."""
+    runs: list[list] = []  # [kind, slots, blocks, count]
+    for g in lay["groups"]:
+        key = ["full" if g["window"] is None else "sliding", len(g["layers"]) + g["padding_layers"],
+               g["blocks_per_request"]]
+        if runs and runs[-1][:3] == key:
+            runs[-1][3] += 1
+        else:
+            runs.append(key + [1])
+    pads = sum(g["padding_layers"] for g in lay["groups"])
+    layers = " + ".join(f"{c} x {n} {k}" if c > 1 else f"{n} {k}" for k, n, _, c in runs)
+    blocks = " + ".join(f"{c} x {b:,}" if c > 1 else f"{b:,}" for _, _, b, c in runs)
+    return layers + (f" ({pads} pad)" if pads else ""), blocks
+
+
+def format_layouts(layouts: dict[str, dict], tokens: int, block_size: int) -> str:
+    """The three layouts side by side (``plan_layouts``)."""
+    modes = list(layouts)
+    cells = {m: _groups_text(layouts[m]) for m in modes}
+    pct = lambda lay: "-" if not lay["max_concurrent_requests"] else f"{lay['waste_fraction']:.2%}"  # noqa: E731
+    ppr = lambda x: f"{x:,.0f}" if x == int(x) else f"{x:,.2f}"  # noqa: E731
+    table = [
+        (f"KV layouts ({tokens:,} tok/request, {block_size}-token blocks)", modes),
+        ("  cache groups (layers each)", [cells[m][0] for m in modes]),
+        ("  blocks per request per group", [cells[m][1] for m in modes]),
+        ("  page size (B)", [f"{layouts[m]['page_bytes']:,}" for m in modes]),
+        ("  pages in pool", [f"{layouts[m]['num_pages']:,}" for m in modes]),
+        ("  pages per request", [ppr(layouts[m]["large_pages_per_request"]) for m in modes]),
+        ("  max concurrent requests", [f"{layouts[m]['max_concurrent_requests']:,}" for m in modes]),
+        ("  KV waste at that load", [pct(layouts[m]) for m in modes]),
+    ]
+    width = max(len(k) for k, _ in table)
+    cols = [max(len(v[i]) for _, v in table) for i in range(len(modes))]
+    return "\n".join(f"{k:<{width}}" + "".join(f"  {v:>{c}}" for v, c in zip(vals, cols)) for k, vals in table)

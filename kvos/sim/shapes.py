@@ -9,7 +9,9 @@ from pathlib import Path
 @dataclass(frozen=True)
 class ModelShape:
     """What memory math needs of a decoder. ``sliding_layers`` of the ``num_layers`` attend to at
-    most ``sliding_window`` tokens; the rest attend to everything."""
+    most ``sliding_window`` tokens; the rest attend to everything. ``layer_types`` (per layer
+    ``"sliding_attention"`` or ``"full_attention"``) places them when known; else the full layers
+    are spread evenly, the last of each period (Gemma 3: layers 5, 11, 17, ...)."""
 
     name: str
     num_layers: int
@@ -23,10 +25,40 @@ class ModelShape:
     sliding_window: int | None = None
     sliding_layers: int = 0
     num_params: int | None = None
+    layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sliding_layers <= self.num_layers:
+            raise ValueError(f"model: sliding_layers must be in [0, {self.num_layers}], got {self.sliding_layers}")
+        if self.sliding_layers and not self.sliding_window:
+            raise ValueError("model: sliding layers need a sliding_window")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"model: layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_layers} layers")
+            if sum(t == "sliding_attention" for t in self.layer_types) != self.sliding_layers:
+                raise ValueError("model: layer_types disagrees with sliding_layers")
 
     @property
     def full_layers(self) -> int:
         return self.num_layers - self.sliding_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers slide: the cache layouts (homogeneous, equal pages, unified) differ."""
+        return self.sliding_layers > 0
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window (None: full attention), as ``build_layout`` takes it."""
+        n, w = self.num_layers, self.sliding_window
+        if self.layer_types is not None:
+            return [w if t == "sliding_attention" else None for t in self.layer_types]
+        if not self.sliding_layers:
+            return [None] * n
+        if not self.full_layers:
+            return [w] * n
+        period = n // self.full_layers
+        return [None if (i + 1) % period == 0 and i < period * self.full_layers else w for i in range(n)]
 
     @property
     def params(self) -> int:
@@ -49,6 +81,8 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
     ModelShape("smollm2-135m", 30, 9, 3, 64, 576, 1536, 49152, tie_embeddings=True),
     ModelShape("gemma-3-270m", 18, 4, 1, 256, 640, 2048, 262144, tie_embeddings=True,
                sliding_window=512, sliding_layers=15),
+    ModelShape("gemma-3-12b", 48, 16, 8, 256, 3840, 15360, 262208, tie_embeddings=True,
+               sliding_window=1024, sliding_layers=40),
     ModelShape("gemma-3-27b", 62, 32, 16, 128, 5376, 21504, 262208, tie_embeddings=True,
                sliding_window=1024, sliding_layers=52),
 ]}
@@ -56,12 +90,14 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
 
 def shape_from_hf_config(cfg: dict, name: str = "") -> ModelShape:
     text = cfg.get("text_config", cfg)
+    if str(text.get("model_type") or cfg.get("model_type") or "").startswith("gemma3"):
+        return _gemma3_shape(cfg, name)
     heads = text["num_attention_heads"]
     layers = text["num_hidden_layers"]
     window = text.get("sliding_window") if text.get("use_sliding_window", True) else None
     sliding = 0
+    types = text.get("layer_types") if window else None
     if window:
-        types = text.get("layer_types")
         if types:
             sliding = sum(1 for t in types if t == "sliding_attention")
         elif text.get("sliding_window_pattern"):
@@ -75,7 +111,26 @@ def shape_from_hf_config(cfg: dict, name: str = "") -> ModelShape:
         head_dim=text.get("head_dim") or text["hidden_size"] // heads, hidden_size=text["hidden_size"],
         intermediate_size=text["intermediate_size"], vocab_size=text["vocab_size"],
         tie_embeddings=cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
-        sliding_window=window if sliding else None, sliding_layers=sliding)
+        sliding_window=window if sliding else None, sliding_layers=sliding,
+        layer_types=tuple(types) if types and sliding else None)
+
+
+def _gemma3_shape(cfg: dict, name: str) -> ModelShape:
+    """Gemma 3 configs leave fields to transformers' defaults (the 27B's ``text_config`` has no
+    ``vocab_size`` nor layer pattern): read them as the engine does."""
+    from kvos.model.config import ModelConfig
+
+    try:
+        mc = ModelConfig.from_hf(cfg, name)
+    except KeyError as e:
+        raise ValueError(f"model: config.json lacks {e}") from None
+    types = tuple(mc.layer_types or ())
+    sliding = sum(1 for t in types if t == "sliding_attention") if mc.sliding_window else 0
+    return ModelShape(name=name or "gemma3", num_layers=mc.num_layers, num_heads=mc.num_heads,
+                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, hidden_size=mc.hidden_size,
+                      intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
+                      tie_embeddings=mc.tie_word_embeddings, sliding_window=mc.sliding_window if sliding else None,
+                      sliding_layers=sliding, layer_types=types if sliding else None)
 
 
 def shape_from_gguf(path: Path) -> ModelShape:

@@ -13,6 +13,13 @@ EXAMPLES = """examples:
   kvos simulate --synthetic --turns 4 --allocator contiguous --max-model-len 4096
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --limit 3000 \\
                 --sweep cache-size --sweep-policies lru fifo lfu belady --plot-dir plots/
+  kvos simulate --synthetic --input-len 1024:4096 --model gemma-3-27b --kv-layout unified --cache-gb 20
+  kvos simulate --synthetic --input-len 1024:4096 --model gemma-3-27b --kv-layout homogeneous --cache-gb 20
+
+With a hybrid --model (sliding-window and full-attention layers, e.g. Gemma 3) the KV memory
+system runs the model's cache layout (--kv-layout, default unified): several cache groups in one
+pool of large pages; --cache-blocks then counts large pages, and the report adds the layout,
+mean KV waste and each group's peak blocks. Other models keep the abstract one-layer spec.
 """
 
 
@@ -31,7 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = half the rate)")
     w.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("cost model")
-    m.add_argument("--model", default="llama-3.1-8b", help="preset, config.json or .gguf (sets the cost model)")
+    m.add_argument("--model", default="llama-3.1-8b",
+                   help="preset, config.json or .gguf: sets the cost model and, for a hybrid model (sliding-window "
+                        "layers), the KV cache layout; other models use the abstract one-layer spec")
     m.add_argument("--gpu", default="H100-80G")
     m.add_argument("--weight-dtype", default="bf16")
     m.add_argument("--kv-dtype", default="fp16")
@@ -39,9 +48,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--calibration", default=None, help="JSON of measured steps to fit the cost model to")
     c = p.add_argument_group("cache and scheduler")
     c.add_argument("--block-size", type=int, default=16)
-    c.add_argument("--cache-blocks", default="unlimited", help="pool size in blocks, or 'unlimited'")
-    c.add_argument("--cache-tokens", type=int, default=None, help="pool size in tokens")
-    c.add_argument("--cache-gb", type=float, default=None, help="pool size in GiB of KV for --model")
+    c.add_argument("--kv-layout", default=None, choices=["unified", "equal_pages", "homogeneous"],
+                   help="cache layout of a hybrid --model: unified (Jenga: one group per layer kind in pages of "
+                        "the LCM size; default), equal_pages (vLLM: equal-size groups, padded), homogeneous (one "
+                        "group, every layer keeps every token; default with --allocator contiguous)")
+    c.add_argument("--cache-blocks", default="unlimited",
+                   help="pool size in blocks (with a hybrid --model: in the layout's large pages), or 'unlimited'")
+    c.add_argument("--cache-tokens", type=int, default=None, help="pool size in tokens (not for a hybrid --model)")
+    c.add_argument("--cache-gb", type=float, default=None,
+                   help="pool size in GiB of KV for --model (all its KV heads; --kv-dtype)")
     c.add_argument("--eviction-policy", default="lru", choices=["lru", "fifo", "lfu", "belady"])
     c.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm", "priority"])
     c.add_argument("--allocator", default="paged", choices=["paged", "contiguous"])
@@ -89,18 +104,34 @@ def load_workload(a: argparse.Namespace):
 
 def build(a: argparse.Namespace):
     from kvos.sim.cost_model import CostModel
-    from kvos.sim.hardware import KV_BYTES, resolve_gpu
+    from kvos.sim.hardware import KV_BYTES, kv_bytes_per_token, resolve_gpu
+    from kvos.sim.planner import model_layout
     from kvos.sim.shapes import resolve_shape
     from kvos.sim.simulator import SimConfig
 
     shape = resolve_shape(a.model)
+    if a.kv_dtype not in KV_BYTES:
+        raise ValueError(f"kv_dtype must be one of {sorted(KV_BYTES)}, got {a.kv_dtype!r}")
+    if a.block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {a.block_size}")
     cost = CostModel.for_model(shape, resolve_gpu(a.gpu), a.weight_dtype, a.kv_dtype, a.tensor_parallel)
     if a.calibration:
         cost.calibrate(a.calibration)
+    layout = None
+    kv_layout = getattr(a, "kv_layout", None)
+    if shape.is_hybrid:
+        kv_layout = kv_layout or ("homogeneous" if a.allocator == "contiguous" else "unified")
+        layout = model_layout(shape, a.kv_dtype, a.block_size, kv_layout)
     if a.cache_gb is not None:
-        per_token = 2 * shape.num_kv_heads * shape.head_dim * KV_BYTES[a.kv_dtype] * shape.num_layers
-        blocks = int(a.cache_gb * (1 << 30) // (per_token * a.block_size))
+        if layout is not None:
+            blocks = layout.num_pages_for_memory(int(a.cache_gb * (1 << 30)))
+        else:
+            per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.kv_dtype)
+            blocks = int(a.cache_gb * (1 << 30) // (per_token * a.block_size))
     elif a.cache_tokens is not None:
+        if layout is not None:
+            raise ValueError(f"cache_tokens: a hybrid model's pool holds different tokens per layer kind; give "
+                             f"--cache-gb or --cache-blocks (large pages of {layout.large_page_bytes:,} B)")
         blocks = a.cache_tokens // a.block_size
     elif str(a.cache_blocks) == "unlimited":
         blocks = None
@@ -113,7 +144,7 @@ def build(a: argparse.Namespace):
         raise ValueError(f"cache_blocks must be at least 2, got {blocks}")
     cfg = SimConfig(a.block_size, blocks, a.eviction_policy, a.scheduling_policy, a.allocator,
                     a.max_num_batched_tokens, a.max_num_seqs, a.max_model_len, a.time_scale,
-                    not a.no_prefix_caching)
+                    not a.no_prefix_caching, layout)
     return cfg, cost
 
 
@@ -121,17 +152,36 @@ def format_report(r: dict) -> str:
     def ms(x):
         return "-" if x is None else f"{x * 1e3:,.1f} ms"
 
+    if "kv_layout" in r:
+        runs: list[list] = []  # [text, count]
+        for g in r["kv_groups"]:
+            text = (f"{'full' if g['window'] is None else 'sliding ' + str(g['window'])} x {g['layers']} layers"
+                    f"{' (+' + str(g['padding_layers']) + ' pad)' if g['padding_layers'] else ''}, "
+                    f"{g['blocks_per_large_page']}/page")
+            if runs and runs[-1][0] == text:
+                runs[-1][1] += 1
+            else:
+                runs.append([text, 1])
+        groups = "; ".join(t if c == 1 else f"{c} groups: {t}" for t, c in runs)
+        cache = (f"{r['num_blocks']} large pages of {r['page_bytes']:,} B ({r['kv_layout']}: {groups}), "
+                 f"{r['block_size']}-token blocks")
+    else:
+        cache = f"{r['num_blocks']} blocks x {r['block_size']} tokens"
     rows = [("requests", f"{r['num_requests']:,}"),
-            ("cache", f"{r['num_blocks']} blocks x {r['block_size']} tokens, {r['allocator']}, "
-                      f"evict {r['eviction_policy']}, schedule {r['scheduling_policy']}"),
+            ("cache", f"{cache}, {r['allocator']}, evict {r['eviction_policy']}, "
+                      f"schedule {r['scheduling_policy']}"),
             ("hit rate", f"blocks {r['block_hit_rate']:.2%}, tokens {r['token_hit_rate']:.2%}"),
             ("TTFT", f"p50 {ms(r['ttft_p50_s'])}, p90 {ms(r['ttft_p90_s'])}, p99 {ms(r['ttft_p99_s'])}"),
             ("TPOT", f"p50 {ms(r['tpot_p50_s'])}, p90 {ms(r['tpot_p90_s'])}"),
             ("e2e", f"p50 {ms(r['e2e_p50_s'])}, p90 {ms(r['e2e_p90_s'])}"),
             ("throughput", f"{r['throughput_tok_s']:,.0f} output tok/s, {r['total_tok_s']:,.0f} total tok/s"),
-            ("KV utilisation", f"{r['kv_utilization']:.1%} of reserved slots hold tokens"),
+            ("KV utilisation", f"{r['kv_utilization']:.1%} of reserved slots hold tokens" if "kv_waste_mean" not in r
+             else f"{r['kv_utilization']:.1%} of held bytes hold live KV; mean waste {r['kv_waste_mean']:.1%}"),
+            ("concurrency", f"{r['running_mean']:,.1f} running requests on average, peak {r['running_peak']:,}"),
             ("events", f"preemptions {r['preemptions']:,}, evictions {r['evictions']:,}, "
                        f"recomputed tokens {r['recomputed_tokens']:,}"),
+            *([("group peak blocks", ", ".join(f"{b:,}" for b in r["group_peak_blocks"]))]
+              if "group_peak_blocks" in r else []),
             ("simulated", f"{r['makespan_s']:,.1f} s in {r['steps']:,} steps; wall {r['sim_wall_s']:.1f} s")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -11,7 +11,9 @@ from tqdm.auto import tqdm
 
 from kvos.cache.eviction import BeladyPolicy, make_policy
 from kvos.cache.hashing import extend_block_hashes, root_hash
+from kvos.cache.full_attention import cdiv
 from kvos.cache.kv_manager import KVCacheManager
+from kvos.cache.layout import CacheLayout
 from kvos.cache.spec import FullAttentionSpec
 from kvos.engine.request import Request
 from kvos.engine.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ SIM_TOKEN = -7  # every simulated output token
 class SimConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: unlimited (every request's blocks fit at once)
+    """Pool size in blocks of the abstract single-layer spec; with ``layout``, in large pages."""
     eviction_policy: str = "lru"
     scheduling_policy: str = "fcfs"
     allocator: str = "paged"  # or "contiguous"
@@ -36,12 +39,32 @@ class SimConfig:
     max_model_len: int | None = None  # contiguous reservation (default: the trace's longest)
     time_scale: float = 1.0
     enable_prefix_caching: bool = True
+    layout: CacheLayout | None = None
+    """A model's cache layout (``kvos.cache.layout.build_layout``: several groups for a hybrid
+    model); None: the abstract spec of one layer (every token costs one slot)."""
 
     def __post_init__(self) -> None:
         if self.allocator not in ("paged", "contiguous"):
             raise ValueError(f"allocator must be 'paged' or 'contiguous', got {self.allocator!r}")
         if self.time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if self.layout is not None and self.layout.block_size != self.block_size:
+            raise ValueError(f"block_size {self.block_size} differs from the layout's {self.layout.block_size}")
+        if self.layout is not None and self.allocator == "contiguous" and (
+                len(self.layout.groups) != 1 or self.layout.groups[0].spec.kind != "full_attention"):
+            raise ValueError("allocator 'contiguous' reserves every layer's KV for the whole length: "
+                             "it needs kv_layout 'homogeneous'")
+        if self.layout is not None and len(self.layout.groups) > 1 and self.eviction_policy == "belady":
+            raise ValueError(f"eviction_policy 'belady' needs a single cache group; kv_layout "
+                             f"{self.layout.mode!r} has {len(self.layout.groups)} (use 'homogeneous', or "
+                             f"another policy)")
+
+
+def window_pairs(start: int, end: int, window: int) -> int:
+    """Query-key pairs of positions ``[start, end)`` when each query sees at most ``window``
+    keys (itself included): ``sum(min(p + 1, window))``."""
+    m = max(start, min(end, window))
+    return (m * (m + 1) - start * (start + 1)) // 2 + max(0, end - max(start, window)) * window
 
 
 class SimExecutor:
@@ -52,15 +75,21 @@ class SimExecutor:
         self.cost = cost
 
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], float]:
-        tokens = context = pairs = 0
+        tokens = context = pairs = w_context = w_pairs = 0
+        window = self.cost.sliding_window if self.cost.sliding_fraction else None
         sampled: dict[str, int] = {}
         for s in out.seqs:
             end = s.start + s.num_new_tokens
             tokens += s.num_new_tokens
             context += end
             pairs += s.num_new_tokens * (s.start + end + 1) // 2
+            if window:
+                w_context += min(end, window)
+                w_pairs += window_pairs(s.start, end, window)
             for r in s.samplers:
                 sampled[r.request_id] = SIM_TOKEN
+        if window:
+            return sampled, self.cost.step_time(tokens, context, pairs, w_context, w_pairs)
         return sampled, self.cost.step_time(tokens, context, pairs)
 
 
@@ -81,16 +110,25 @@ class Simulator:
         self.cfg = config
         self.executor = SimExecutor(cost)
         bs = config.block_size
-        spec = FullAttentionSpec(bs, 1, 1, 1)
+        layout = config.layout
+        spec = FullAttentionSpec(bs, 1, 1, 1) if layout is None else layout.groups[0].spec
         longest = max(r.input_len + r.output_len for r in self.trace)
-        unlimited = sum(math.ceil((r.input_len + r.output_len) / bs) for r in self.trace) + 1
+        total = sum(math.ceil((r.input_len + r.output_len) / bs) for r in self.trace)
+        if layout is None:
+            unlimited = total + 1
+        else:  # a group owns a new large page only when its owned ones are full: <= cdiv(total, per) + 1
+            unlimited = sum(cdiv(total, layout.blocks_per_large_page(g)) + 1 for g in range(len(layout.groups))) + 1
         num_blocks = unlimited if config.num_blocks is None else config.num_blocks
         self._oracle: dict[bytes, deque[int]] | None = None
         if config.allocator == "contiguous":
+            assert isinstance(spec, FullAttentionSpec)
             self.kv: KVCacheManager = ContiguousKVManager(spec, num_blocks, config.max_model_len or longest)
+        elif layout is not None and len(layout.groups) > 1:  # one policy per group, by name
+            self.kv = KVCacheManager(layout, num_blocks, SIM_MODEL_ID, config.enable_prefix_caching,
+                                     config.eviction_policy)
         else:
             policy = make_policy(config.eviction_policy, self._next_use if config.eviction_policy == "belady" else None)
-            self.kv = KVCacheManager(spec, num_blocks, SIM_MODEL_ID, config.enable_prefix_caching, policy)
+            self.kv = KVCacheManager(layout or spec, num_blocks, SIM_MODEL_ID, config.enable_prefix_caching, policy)
             if isinstance(policy, BeladyPolicy):
                 self._build_oracle()
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
@@ -133,8 +171,12 @@ class Simulator:
         hit_blocks = total_blocks = hit_tokens = prompt_tokens = 0
         seen_trace_ids: set[int] = set()
         util_tokens = util_slots = 0
+        by_bytes = cfg.layout is not None and cfg.allocator == "paged"  # utilisation and waste in bytes
+        waste_sum, waste_steps = 0.0, 0
+        group_peak = [0] * kv.num_groups
+        running_sum = running_peak = 0
         index_of: dict[str, int] = {}
-        capacity = kv.pool.num_usable_blocks * cfg.block_size
+        capacity = kv.capacity_tokens(cfg.max_num_batched_tokens)
         rejected = 0
         bar = tqdm(total=len(trace), desc="simulating", unit="req", disable=not progress)
         while nxt < len(trace) or sched.has_unfinished():
@@ -174,15 +216,27 @@ class Simulator:
                     hit_tokens += req.num_cached_tokens
                     prompt_tokens += req.num_prompt_tokens
                     if self._oracle is not None:
-                        self._consume_uses(i, kv.group.block_hashes(req))
+                        self._consume_uses(i, kv.block_hashes(req))
             sampled, dt = self.executor.execute(out)
             clock += dt
             steps += 1
-            for req in sched.running:
-                table = kv.group.tables.get(req.request_id)
-                if table:
-                    util_tokens += req.num_computed_tokens
-                    util_slots += len(table) * cfg.block_size
+            running_sum += len(sched.running)
+            running_peak = max(running_peak, len(sched.running))
+            if by_bytes:  # live KV bytes (sliding layers: their window) over bytes held for running requests
+                mem = kv.memory_breakdown()
+                if mem["held_bytes"]:
+                    util_tokens += mem["live_bytes"]
+                    util_slots += mem["held_bytes"]
+                    waste_sum += mem["waste_fraction"]
+                    waste_steps += 1
+                for g, u in enumerate(kv.group_usage()):
+                    group_peak[g] = max(group_peak[g], u.used)
+            else:
+                for req in sched.running:
+                    held = kv.num_held_blocks(req.request_id)
+                    if held:
+                        util_tokens += req.num_computed_tokens
+                        util_slots += held * cfg.block_size
             for req in sched.update_from_output(out, sampled):
                 first.setdefault(req.request_id, clock)
                 if req.is_finished:
@@ -192,13 +246,23 @@ class Simulator:
         report = self._report(arrival, first, done, clock, steps, time.perf_counter() - t_wall,
                               hit_blocks, total_blocks, hit_tokens, prompt_tokens, util_tokens, util_slots)
         report["rejected_requests"] = rejected
+        report["running_mean"] = running_sum / steps if steps else 0.0
+        report["running_peak"] = running_peak
+        if cfg.layout is not None:
+            report["kv_layout"] = cfg.layout.mode
+            report["page_bytes"] = cfg.layout.large_page_bytes
+            report["kv_groups"] = [{k: (len(v) if k == "layers" else v) for k, v in d.items()}
+                                   for d in cfg.layout.describe()]
+        if by_bytes:
+            report["kv_waste_mean"] = waste_sum / waste_steps if waste_steps else 0.0
+            report["group_peak_blocks"] = group_peak
         return report
 
     def _block_hits(self, req: Request, tr: TraceRequest, seen: set[int]) -> tuple[int, int]:
         """Leading prompt blocks resident when the request is first scheduled (no last-token
         cap). With a Mooncake trace at its own 512-token block size, counted over the trace's
         blocks, a trailing partial block counting as hit when its id was computed before."""
-        full_hit = len(self.kv.group.find_longest_hit(req, req.num_prompt_tokens)) if self.kv.enable_caching else 0
+        full_hit = self.kv.longest_hit_tokens(req, req.num_prompt_tokens) // self.cfg.block_size
         if tr.hash_ids is not None and self.cfg.block_size == MOONCAKE_BLOCK:
             n_full = tr.input_len // MOONCAKE_BLOCK
             hits = full_hit

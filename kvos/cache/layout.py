@@ -1,0 +1,129 @@
+"""How a model's layers map onto cache groups and one physical pool of pages. Pure Python.
+
+Three layouts, for the same model, so they can be compared:
+
+- ``unified`` (Jenga): one group per kind of layer (full attention; each sliding window); one
+  pool of *large pages* of ``lcm(group page bytes)``, each split on demand into small pages of
+  one group and returned whole when all of them are free.
+- ``equal_pages`` (vLLM's hybrid allocator): groups of equal layer count (the smallest group's;
+  a larger kind is split into several groups, the last padded with empty layer slots), so every
+  page has the same size and one free list serves all groups.
+- ``homogeneous``: one full-attention group of every layer; sliding layers still attend within
+  their window but keep every token's KV (what an engine without hybrid support does).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvos.cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
+LAYOUTS = ("unified", "equal_pages", "homogeneous")
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Layers ``layers`` share one block table per request; slot i of a page holds
+    ``layers[i]`` (slots past ``len(layers)`` are padding)."""
+
+    spec: KVCacheSpec
+    layers: tuple[int, ...]
+
+    @property
+    def padding_layers(self) -> int:
+        return self.spec.num_layers - len(self.layers)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    groups: tuple[CacheGroup, ...]
+    mode: str = "unified"
+    layer_windows: tuple[int | None, ...] = ()
+    """Each model layer's attention window (None: full): what its KV must really hold."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {self.mode!r}")
+        if not self.groups:
+            raise ValueError("a cache layout needs at least one group")
+        if len({g.spec.block_size for g in self.groups}) != 1:
+            raise ValueError("every cache group must use the same block size")
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].spec.block_size
+
+    @property
+    def large_page_bytes(self) -> int:
+        return math.lcm(*(g.spec.page_bytes for g in self.groups))
+
+    def blocks_per_large_page(self, group: int) -> int:
+        return self.large_page_bytes // self.groups[group].spec.page_bytes
+
+    def layer_slot(self, layer: int) -> tuple[int, int]:
+        """(group, slot in the group's page) of a model layer."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise KeyError(f"layer {layer} is in no cache group")
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
+
+    def live_bytes(self, num_tokens: int) -> int:
+        """KV bytes a request of ``num_tokens`` tokens really needs, whatever the layout: every
+        token in full-attention layers, the ``window - 1`` that its next token reads in sliding
+        layers. The floor that waste is measured against."""
+        per_layer = self.groups[0].spec.bytes_per_token // self.groups[0].spec.num_layers
+        return sum(per_layer * (num_tokens if w is None else min(num_tokens, w - 1)) for w in self.layer_windows)
+
+    def num_pages_for_memory(self, memory_bytes: int) -> int:
+        """Large pages that fit in ``memory_bytes`` (the null page included)."""
+        return memory_bytes // self.large_page_bytes
+
+    def describe(self) -> list[dict]:
+        return [{"kind": g.spec.kind, "window": getattr(g.spec, "window", None), "layers": list(g.layers),
+                 "padding_layers": g.padding_layers, "page_bytes": g.spec.page_bytes,
+                 "bytes_per_token": g.spec.bytes_per_token,
+                 "blocks_per_large_page": self.blocks_per_large_page(i)} for i, g in enumerate(self.groups)]
+
+
+def _spec(window: int | None, block_size: int, layers: int, kv_heads: int, head_dim: int,
+          dtype: str) -> KVCacheSpec:
+    if window is None:
+        return FullAttentionSpec(block_size, layers, kv_heads, head_dim, dtype)
+    return SlidingWindowSpec(block_size, layers, kv_heads, head_dim, dtype, window=window)
+
+
+def build_layout(layer_windows: list[int | None], block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: str = "float32", mode: str = "unified") -> CacheLayout:
+    """Group a model's layers by attention window (``None``: full attention) in ``mode``."""
+    if mode not in LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {mode!r}")
+    windows = tuple(layer_windows)
+    if mode == "homogeneous" or all(w is None for w in windows):
+        spec = FullAttentionSpec(block_size, len(windows), num_kv_heads, head_dim, dtype)
+        return CacheLayout((CacheGroup(spec, tuple(range(len(windows)))),), mode, windows)
+    by_window: dict[int | None, list[int]] = {}
+    for layer, w in enumerate(windows):
+        by_window.setdefault(w, []).append(layer)
+    kinds = sorted(by_window.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))  # full first
+    groups: list[CacheGroup] = []
+    if mode == "unified":
+        for w, layers in kinds:
+            groups.append(CacheGroup(_spec(w, block_size, len(layers), num_kv_heads, head_dim, dtype), tuple(layers)))
+    else:  # equal_pages
+        size = min(len(layers) for _, layers in kinds)
+        for w, layers in kinds:
+            for i in range(0, len(layers), size):
+                groups.append(CacheGroup(_spec(w, block_size, size, num_kv_heads, head_dim, dtype),
+                                         tuple(layers[i: i + size])))
+    return CacheLayout(tuple(groups), mode, windows)
+
+
+def single_group_layout(spec: KVCacheSpec) -> CacheLayout:
+    """A layout of one group (tests, the simulator's abstract model)."""
+    window = getattr(spec, "window", None)
+    return CacheLayout((CacheGroup(spec, tuple(range(spec.num_layers))),), "unified",
+                       tuple([window] * spec.num_layers))
