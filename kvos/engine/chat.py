@@ -20,6 +20,9 @@ def validate_messages(messages) -> list[dict]:
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template and tokenize the text as is (the
     template already holds the special tokens)."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("messages: this model has no chat template (a base model); send a plain "
+                         "prompt (/v1/completions) instead")
     try:
         text = tokenizer.apply_chat_template(validate_messages(messages),
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -31,3 +34,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
         return list(tokenizer(text, add_special_tokens=False).input_ids)
     except Exception as e:
         raise ValueError(f"messages: cannot be tokenized ({type(e).__name__}: {e})") from e
+
+
+def has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvos.engine.chat import chat_prompt_ids
+from kvos.engine.chat import chat_prompt_ids, has_chat_template
 from kvos.engine.llm_engine import LLMEngine
 from kvos.engine.sampling_params import SamplingParams
 from kvos.serve.async_engine import AsyncEngine, RequestStream
@@ -133,8 +133,9 @@ async def _warm_up(state: ServerState) -> None:
     detokenizer) before reporting ready."""
     try:
         params = SamplingParams(temperature=0, max_tokens=4)
-        prompts = WARMUP_PROMPTS + [{"prompt_token_ids": chat_prompt_ids(
-            state.tokenizer, [{"role": "user", "content": "Hi"}])}]
+        prompts = list(WARMUP_PROMPTS)
+        if has_chat_template(state.tokenizer):  # a base model has none
+            prompts.append({"prompt_token_ids": chat_prompt_ids(state.tokenizer, [{"role": "user", "content": "Hi"}])})
         streams = [await state.async_engine.submit(p, params, f"warmup-{i}", cache_salt="kvos-warmup")
                    for i, p in enumerate(prompts)]
         await asyncio.gather(*(s.result() for s in streams))
