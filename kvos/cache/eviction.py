@@ -76,6 +76,47 @@ class LRUPolicy(EvictionPolicy):
         return block.prev_free is not None
 
 
+class HitProtectedLRUPolicy(EvictionPolicy):
+    """LRU in two segments: blocks that never served a prefix hit are evicted (least recently
+    freed first) before any block that did. For sliding-window groups, whose blocks are released
+    while their request runs: the window at the end of a shared prefix (the blocks a hit needs)
+    outlives the mid-prompt blocks that no hit can use. No chain order: a sliding block's use does
+    not depend on its parent. A block's hit count does not change while it is queued (a hit takes
+    a reference first), so its segment is fixed from ``add`` to removal."""
+
+    name = "lru-protect-hits"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._probation = FreeBlockQueue([])
+        self._protected = FreeBlockQueue([])
+
+    def _queue(self, block: KVBlock) -> FreeBlockQueue:
+        return self._protected if block.num_hits else self._probation
+
+    def add(self, block: KVBlock) -> None:
+        self._queue(block).append(block)
+
+    def remove(self, block: KVBlock) -> None:
+        self._queue(block).remove(block)
+
+    def peek(self) -> KVBlock:
+        return (self._probation if len(self._probation) else self._protected).peekleft()
+
+    def pop(self) -> KVBlock:
+        return (self._probation if len(self._probation) else self._protected).popleft()
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        yield from self._probation
+        yield from self._protected
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.prev_free is not None
+
+
 class _HeapPolicy(EvictionPolicy):
     """A min-heap on ``key(block)`` with lazy deletion (a version per queued block)."""
 

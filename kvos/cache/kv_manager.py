@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool, LogicalClock
-from kvos.cache.eviction import EvictionPolicy, make_policy
+from kvos.cache.eviction import EvictionPolicy, HitProtectedLRUPolicy, make_policy
 from kvos.cache.full_attention import FullAttentionManager
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.layout import CacheLayout, single_group_layout
@@ -52,8 +52,13 @@ class KVCacheManager:
         self.pools: list[BlockPool] = []
         self.managers: list[FullAttentionManager] = []
         for g, group in enumerate(layout.groups):
-            pol = policy if isinstance(policy, EvictionPolicy) else make_policy(policy or "lru", next_use)
             sliding = group.spec.kind == "sliding_window"
+            if isinstance(policy, EvictionPolicy):
+                pol = policy
+            elif sliding and (policy or "lru") == "lru":
+                pol = HitProtectedLRUPolicy()  # keep the windows that end shared prefixes
+            else:
+                pol = make_policy(policy or "lru", next_use)
             pool = BlockPool(enable_caching=enable_caching, counters=self.counters, policy=pol, pages=self.pages,
                              per_page=layout.blocks_per_large_page(g), group=g, clock=clock,
                              chain_order=not sliding)

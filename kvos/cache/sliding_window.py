@@ -15,9 +15,9 @@ class SlidingWindowManager(FullAttentionManager):
     first, so it stays hittable until evicted). A request therefore holds about ``window`` plus
     one prefill chunk of tokens in this group, whatever its length.
 
-    Eviction order within the group is plain LRU (no chain order): a sliding block's use does not
-    depend on its parent, since a hit needs only the blocks inside the window that ends at the
-    hit length (``find_longest_hit``).
+    Eviction order within the group has no chain order: a sliding block's use does not depend on
+    its parent, since a hit needs only the blocks inside the window that ends at the hit length
+    (``find_longest_hit``). By default never-hit blocks go first (``HitProtectedLRUPolicy``).
     """
 
     def __init__(self, spec, pool) -> None:
