@@ -22,7 +22,9 @@ def test_bench_hybrid_compares_the_layouts(tmp_path):
     # peak: its last 256-token chunk plus the window, 19 blocks). 64 MiB hold 2 vs 13.
     assert homo["requests"] == 2
     assert unified["requests"] >= 6 * homo["requests"] and equal["requests"] >= 6 * homo["requests"]
-    assert homo["waste_fraction"] > 0.75 and unified["waste_fraction"] < 0.05
+    # unified waste: the last request's prefill chunk, partial blocks, and each request's last
+    # large page of full-attention blocks (5 per page, packed per request): about 5%
+    assert homo["waste_fraction"] > 0.75 and unified["waste_fraction"] < 0.06 and equal["waste_fraction"] < 0.06
     for layout in ("homogeneous", "equal_pages", "unified"):
         run = r["layouts"][layout]["long_context"]
         assert run["output_tokens"] == 4 * 4 and run["peak_running"] >= 1

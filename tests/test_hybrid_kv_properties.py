@@ -271,3 +271,27 @@ def test_sliding_hit_needs_only_the_window():
     assert n == 16 and len(hit[0]) == len(hit[1]) == 8
     assert [blk.is_null for blk in hit[1]] == [True] * 6 + [False] * 2
     assert cdiv(4 - 1, 2) == 2
+
+
+def test_requests_decoding_together_keep_their_own_large_pages():
+    """Request-aware packing: four requests decoding in lockstep (one block each in turn) still
+    fill large pages of their own, so each request's full-attention blocks span
+    ceil(blocks / per_page) pages and a finished request gives whole pages back."""
+    layout = build_layout([None, 8, 8, 8, 8], 1, 1, 1, "float32", "unified")  # 4 full blocks per page
+    per = layout.blocks_per_large_page(0)
+    assert per == 4
+    kv = KVCacheManager(layout, 64, model_id="m", enable_caching=False)
+    seqs = [Seq(f"r{i}", [i], None) for i in range(4)]
+    for step in range(12):
+        for seq in seqs:
+            if step:
+                seq.all_token_ids.append(step)
+            assert kv.allocate_slots(seq, 1)
+            seq.num_computed_tokens += 1
+    for seq in seqs:
+        pages = {b.block_id // per for b in kv.block_tables(seq.request_id)[0]}
+        assert len(pages) == 12 // per, (seq.request_id, pages)
+    free_before = kv.pages.num_free()
+    kv.free(seqs[0])
+    assert kv.pages.num_free() >= free_before + 12 // per
+    assert kv.memory_breakdown()["fragmentation_bytes"] == 0

@@ -101,19 +101,25 @@ class BlockPool:
         return self.index.get(block_hash) if self.enable_caching else None
 
     # -- allocation ----------------------------------------------------------------------
+    def _split_page(self) -> bool:
+        """Take a free large page and queue its small pages as plain free (first one first)."""
+        page = self.pages.take(self.group)
+        if page is None:
+            return False
+        self._owned_pages += 1
+        first = page * self.per_page
+        for block in reversed(self.blocks[first: first + self.per_page]):
+            self.plain_free.appendleft(block)
+        self._plain_in_page[page] = self.per_page
+        return True
+
     def _take_block(self) -> KVBlock | None:
         while True:
             if len(self.plain_free):
                 block = self.plain_free.popleft()
                 self._plain_in_page[block.block_id // self.per_page] -= 1
                 return block
-            page = self.pages.take(self.group)
-            if page is not None:
-                self._owned_pages += 1
-                first = page * self.per_page
-                for block in self.blocks[first: first + self.per_page]:
-                    self.plain_free.append(block)
-                self._plain_in_page[page] = self.per_page
+            if self._split_page():
                 continue
             if self.reclaim is not None:
                 if not self.reclaim(self):
@@ -123,12 +129,35 @@ class BlockPool:
             else:
                 return None
 
-    def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks (evicting cached content if needed), each with ref 1. On failure
-        (the pool is full of referenced blocks) nothing is taken and ValueError is raised."""
+    def _take_near(self, near: KVBlock | None) -> KVBlock | None:
+        """A plain free block in the large page of ``near`` (a block of the same request), so
+        that a request's blocks share pages and its pages free whole when it ends."""
+        if near is None or near.is_null or self.per_page == 1:
+            return None
+        page = near.block_id // self.per_page
+        if not self._plain_in_page[page]:
+            return None
+        first = page * self.per_page
+        for block in self.blocks[first: first + self.per_page]:
+            if block.prev_free is not None and block.block_hash is None:  # plain free, not cached
+                self.plain_free.remove(block)
+                self._plain_in_page[page] -= 1
+                return block
+        return None
+
+    def get_new_blocks(self, n: int, near: KVBlock | None = None) -> list[KVBlock]:
+        """Take ``n`` blocks (evicting cached content if needed), each with ref 1, packed into
+        the large page of ``near`` (the request's last block) while it has room, then into a
+        fresh large page while any is free, then wherever a small page is free (Jenga's
+        request-aware allocation). On failure (the pool is full of referenced blocks) nothing is
+        taken and ValueError is raised."""
         out: list[KVBlock] = []
         for _ in range(n):
-            block = self._take_block()
+            block = self._take_near(near)
+            if block is None and self.per_page > 1 and self._split_page():
+                block = self._take_near(self.plain_free.peekleft())  # a page of its own while any is free
+            block = block or self._take_block()
+            near = block
             if block is None:
                 self.release_fresh(out)
                 raise ValueError(f"cannot allocate {n} blocks in group {self.group}")

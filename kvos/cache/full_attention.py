@@ -120,6 +120,13 @@ class FullAttentionManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, [])]
 
+    def last_block(self, request_id: str, new_computed: list[KVBlock] = ()) -> KVBlock | None:
+        """The request's last real block (its hit's, if it is being admitted with one)."""
+        for block in (*reversed(new_computed), *reversed(self.tables.get(request_id, []))):
+            if not block.is_null:
+                return block
+        return None
+
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request references (null placeholders excluded)."""
         return sum(1 for b in self.tables.get(request_id, []) if not b.is_null)

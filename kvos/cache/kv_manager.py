@@ -202,8 +202,8 @@ class KVCacheManager:
             pool.touch(h, hit=True)
         fresh: list[list[KVBlock]] = []
         try:
-            for pool, n in zip(self.pools, needs):
-                fresh.append(pool.get_new_blocks(n))
+            for pool, m, h, n in zip(self.pools, self.managers, hits, needs):
+                fresh.append(pool.get_new_blocks(n, near=m.last_block(seq.request_id, h)))
         except ValueError:  # fragmented: the bytes exist but not in pages of the right group
             for pool, blocks in zip(self.pools, fresh):
                 pool.release_fresh(blocks)
