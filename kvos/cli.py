@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", choices=["on", "off"], default=None,
                    help="schedule and queue step N+1 while step N runs (default: on for a CUDA device)")
-    g.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (overrides the budget)")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="pool size in pages: blocks, or large pages of a hybrid pool (overrides the budget)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-model-len", type=int, default=None)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 class EngineConfig:
     """Everything that shapes an engine. Sizes are in tokens unless named ``_bytes``.
 
-    The KV pool holds ``num_blocks`` blocks if given, else as many as fit in
+    The KV pool holds ``num_blocks`` pages if given (blocks of a single-group model; large pages
+    of a hybrid model's pool, see ``kv_layout``), else as many as fit in
     ``kv_cache_memory_bytes``; when neither is given, 2 GiB on the CPU and, on a GPU, what is
     left of ``gpu_memory_utilization`` of its memory after the weights and the peak activations
     of a profiled ``max_num_batched_tokens`` step. ``max_model_len`` defaults to the model's

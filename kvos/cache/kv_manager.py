@@ -23,7 +23,9 @@ ComputedBlocks = list[list[KVBlock]]
 
 
 class KVCacheManager:
-    """Coordinates one ``LargePagePool``, a ``BlockPool`` and a manager per cache group.
+    """Coordinates one ``LargePagePool`` of ``num_blocks`` pages (page 0 holds the null blocks),
+    a ``BlockPool`` and a manager per cache group. With one group of one block per page (every
+    non-hybrid model) a page is a block.
 
     Contract with the scheduler:
     - ``get_computed_blocks`` before a sequence's first allocation (or after preemption); it
