@@ -149,18 +149,27 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def usage_banner(host: str, port: int, model: str, api_key: str | None) -> str:
+def usage_banner(host: str, port: int, model: str, api_key: str | None, chat: bool = True) -> str:
+    """How to call the server: a chat example, or a plain completion for a base model (no chat
+    template)."""
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
+    if chat:
+        route, body = "chat/completions", f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'
+        call = f"""client.chat.completions.create(model="{model}",
+        messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content"""
+    else:
+        route, body = "completions", f'{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 16}}'
+        call = f"""client.completions.create(model="{model}",
+        prompt="The capital of France is", max_tokens=16).choices[0].text"""
     return f"""
 kvos is serving {model} on http://{host}:{port}  (health: /health, metrics: /metrics)
 
-  curl http://{host}:{port}/v1/chat/completions{auth} -H "Content-Type: application/json" \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'
+  curl http://{host}:{port}/v1/{route}{auth} -H "Content-Type: application/json" \\
+    -d '{body}'
 
   from openai import OpenAI
   client = OpenAI(base_url="http://{host}:{port}/v1", api_key="{api_key or 'none'}")
-  print(client.chat.completions.create(model="{model}",
-        messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)
+  print({call})
 """
 
 
@@ -169,8 +178,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvos.engine.llm_engine import LLMEngine
     from kvos.config import EngineConfig
+    from kvos.engine.chat import has_chat_template
+    from kvos.engine.llm_engine import LLMEngine
     from kvos.serve.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -178,7 +188,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     name = a.served_model_name or engine.model_path.name.removesuffix(".gguf").split(".")[0]
     app = create_app(engine, name, api_keys=a.api_key, max_waiting=a.max_waiting_requests,
                      warmup=not a.no_warmup)
-    print(usage_banner(a.host, a.port, name, (a.api_key or [None])[0]), flush=True)
+    print(usage_banner(a.host, a.port, name, (a.api_key or [None])[0], has_chat_template(engine.tokenizer)),
+          flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=60)
     return 0
 

@@ -23,6 +23,7 @@ def test_gemma_completions_and_group_metrics(gemma_path, gemma_hf):
     server = Server("--model", "gemma-3-270m", "--kv-cache-memory-bytes", str(64 << 20)).wait_ready(timeout=300)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        assert "/v1/completions -H" in server.output()  # the banner shows a base model's call
         (model,) = [m.id for m in client.models.list().data]
         r = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
         assert r.choices[0].text == ref and r.usage.completion_tokens == 8
