@@ -270,3 +270,29 @@ def test_tier_bandwidth_bench_runs_the_load_path_on_cpu(tmp_path):
                       "--block-size", "4", "--blocks", "8", "--repeats", "2", "--output", str(tmp_path / "b.json")])
     result = run(a)
     assert result["verified"] and result["tier_load_GBps"] > 0 and result["checksum_GBps"] > 0
+
+
+def test_hash_root_is_the_model_content_not_its_name(llm, tmp_path):
+    """Two different checkpoints both named model.gguf get different hash roots (they never share
+    a block in a shared Redis or a persistent disk tier); a renamed byte-identical copy gets the
+    same root (it may)."""
+    import shutil
+
+    from kvos.cache.hashing import root_hash
+    from kvos.model.fingerprint import model_fingerprint
+    from kvos.model.loader import default_model_path
+
+    src = default_model_path()
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        shutil.copyfile(src, p)
+    with open(b, "r+b") as f:  # one byte of the last tensor's data
+        f.seek(-7, 2)
+        byte = f.read(1)
+        f.seek(-7, 2)
+        f.write(bytes([byte[0] ^ 1]))
+    root = {p: root_hash(model_fingerprint(p, "float32")) for p in (src, a, b)}
+    assert root[a] == root[src] and root[b] != root[a]
+    assert llm.engine.kv.model_id == model_fingerprint(src, "float32")
+    assert model_fingerprint(src, "float32") != model_fingerprint(src, "bfloat16")  # the KV dtype too

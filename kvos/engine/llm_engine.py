@@ -17,6 +17,7 @@ from kvos.engine.outputs import CompletionOutput, RequestOutput
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.sampling_params import SamplingParams
 from kvos.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvos.model.fingerprint import model_fingerprint
 from kvos.model.loader import (load_tokenizer, load_tokenizer_for_config, resolve_config_path,
                                resolve_model_path)
 from kvos.model.runner import LaunchedStep, ModelRunner, parse_dtype
@@ -82,7 +83,7 @@ class LLMEngine:
             raise ValueError("tiers below the device (cpu_cache_gb, disk_cache_dir, remote_cache) and "
                              "preemption_mode='swap' need a single cache group; this model's layout "
                              f"{config.kv_layout!r} has {len(self.layout.groups)} (use kv_layout='homogeneous')")
-        model_id = f"{path.name}:{dtype}".replace("torch.", "") + (":random" if config.random_weights else "")
+        model_id = model_fingerprint(path, str(dtype).removeprefix("torch."), config.random_weights)
         self.kv = KVCacheManager(self.layout, num_blocks, model_id=model_id,
                                  enable_caching=config.enable_prefix_caching)
         self.runner.allocate_kv_cache(self.layout, num_blocks)
