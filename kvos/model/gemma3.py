@@ -16,7 +16,7 @@ from torch import nn
 from kvos.model import ops
 from kvos.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvos.model.config import ModelConfig
-from kvos.model.llama import MLP, RotaryEmbedding
+from kvos.model.llama import MLP, RotaryEmbedding, put, take_weight
 
 
 class GemmaRMSNorm(nn.Module):
@@ -136,15 +136,7 @@ class Gemma3ForCausalLM(nn.Module):
         ``1.0 + w`` computed in float32), fusing q/k/v and gate/up. Raises ValueError on a
         missing or misshapen tensor, naming it."""
         def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"model: weight {name!r} is missing")
-            return weights[name]
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"model: weight {name!r} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.data.copy_(value)
+            return take_weight(weights, name)
 
         def put_norm(norm: GemmaRMSNorm, name: str) -> None:
             put(norm.weight, 1.0 + take(name).float(), name)

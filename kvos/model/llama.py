@@ -13,6 +13,21 @@ from kvos.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvos.model.config import ModelConfig
 
 
+def take_weight(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """An HF-named tensor; ValueError naming it when missing."""
+    if name not in weights:
+        raise ValueError(f"model: weight {name!r} is missing")
+    return weights[name]
+
+
+def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Copy ``value`` into ``param``; ValueError naming the weight when the shapes differ."""
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"model: weight {name!r} has shape {tuple(value.shape)}, "
+                         f"expected {tuple(param.shape)}")
+    param.data.copy_(value)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -151,15 +166,7 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors, fusing q/k/v and gate/up. Raises ValueError on a missing or
         misshapen tensor, naming it."""
         def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"model: weight {name!r} is missing")
-            return weights[name]
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"model: weight {name!r} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.data.copy_(value)
+            return take_weight(weights, name)
 
         put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
