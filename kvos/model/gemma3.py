@@ -16,7 +16,7 @@ from torch import nn
 from kvos.model import ops
 from kvos.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvos.model.config import ModelConfig
-from kvos.model.llama import MLP, RotaryEmbedding, put, take_weight
+from kvos.model.llama import MLP, RotaryEmbedding, load_shared_weights, put, take_weight
 
 
 class GemmaRMSNorm(nn.Module):
@@ -141,23 +141,11 @@ class Gemma3ForCausalLM(nn.Module):
         def put_norm(norm: GemmaRMSNorm, name: str) -> None:
             put(norm.weight, 1.0 + take(name).float(), name)
 
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put_norm(self.norm, "model.norm.weight")
-        if self.cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head.weight = self.embed_tokens.weight
-        else:
-            put(self.lm_head.weight, weights["lm_head.weight"], "lm_head.weight")
+        load_shared_weights(self, weights, put_norm)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = layer.self_attn
-            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-            put(a.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
-            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-            put_norm(a.q_norm, p + "self_attn.q_norm.weight")
-            put_norm(a.k_norm, p + "self_attn.k_norm.weight")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
-            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put_norm(layer.self_attn.q_norm, p + "self_attn.q_norm.weight")
+            put_norm(layer.self_attn.k_norm, p + "self_attn.k_norm.weight")
             for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                          "post_feedforward_layernorm"):
                 put_norm(getattr(layer, norm), p + norm + ".weight")

@@ -168,27 +168,40 @@ class LlamaForCausalLM(nn.Module):
         def take(name: str) -> torch.Tensor:
             return take_weight(weights, name)
 
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
-        if self.cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head.weight = self.embed_tokens.weight
-        else:
-            put(self.lm_head.weight, weights["lm_head.weight"], "lm_head.weight")
+        load_shared_weights(self, weights, lambda norm, name: put(norm.weight, take(name), name))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer.self_attn
-            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-            put(a.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
-            if a.qkv_proj.bias is not None:
-                bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-                put(a.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
-            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
             if a.q_norm is not None:
                 put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
                 put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
-            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
             put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
                 p + "post_attention_layernorm.weight")
+
+
+def load_shared_weights(model: nn.Module, weights: dict[str, torch.Tensor], put_norm) -> None:
+    """The HF-named weights Llama and Gemma share: embeddings, the final norm (through
+    ``put_norm(module, name)``), lm_head (tied when absent or configured so), and per layer the
+    fused q/k/v (with biases where the layer has them), o_proj, fused gate/up and down."""
+    def take(name: str) -> torch.Tensor:
+        return take_weight(weights, name)
+
+    put(model.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+    put_norm(model.norm, "model.norm.weight")
+    if model.cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        put(model.lm_head.weight, weights["lm_head.weight"], "lm_head.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a = layer.self_attn
+        put(a.qkv_proj.weight, torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+            p + "self_attn.qkv_proj.weight")
+        if a.qkv_proj.bias is not None:
+            put(a.qkv_proj.bias, torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]),
+                p + "self_attn.qkv_proj.bias")
+        put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+        put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
