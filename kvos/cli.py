@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "int8"],
+                   help="KV cache storage: the model's dtype (auto), or 8-bit with a float32 scale per token "
+                        "and kv head (about half of bf16's bytes)")
     g.add_argument("--device", default="cpu")
     t = p.add_argument_group("tiers below the device")
     t.add_argument("--cpu-cache-gb", type=float, default=0.0, help="CPU-memory tier size (0: off)")
@@ -46,7 +49,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enable_prefix_caching=not a.no_prefix_caching,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, num_blocks=a.num_blocks,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                max_model_len=a.max_model_len, dtype=a.dtype, device=a.device, cpu_cache_gb=a.cpu_cache_gb,
+                max_model_len=a.max_model_len, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, device=a.device, cpu_cache_gb=a.cpu_cache_gb,
                 disk_cache_dir=a.disk_cache_dir, disk_cache_gb=a.disk_cache_gb, remote_cache=a.remote_cache,
                 write_policy=a.write_policy, preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb,
                 random_weights=a.random_weights, gpu_memory_utilization=a.gpu_memory_utilization,
@@ -187,7 +190,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
     name = a.served_model_name or engine.model_path.name.removesuffix(".gguf").split(".")[0]
     app = create_app(engine, name, api_keys=a.api_key, max_waiting=a.max_waiting_requests,
-                     warmup=not a.no_warmup)
+                     warmup=not a.no_warmup, allowed_origins=a.allowed_origins)
     print(usage_banner(a.host, a.port, name, (a.api_key or [None])[0], has_chat_template(engine.tokenizer)),
           flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=60)
@@ -201,6 +204,8 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("tier-bandwidth", "tier_bandwidth", "CPU-tier block loads into device blocks vs pinned H2D copy", False),
     ("steps", "steps", "time real engine steps (a calibration file for kvos simulate)", True),
     ("hybrid", "hybrid", "hybrid KV layouts side by side: 32K-request capacity, waste, long-context tok/s", True),
+    ("kv-speed", "kv_speed", "KV in the model's dtype vs 8 bits: tokens held, long-context tok/s, decode roofline", True),
+    ("kv-quant", "kv_quant", "quantized KV accuracy vs the model's dtype: greedy agreement, logit error, perplexity", False),
 ]
 
 
@@ -226,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests waiting for their first token beyond this get 429")
     s.add_argument("--no-warmup", action="store_true")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   type=lambda v: importlib.import_module("kvos.serve.app").allowed_origins_arg(v),
+                   help="turn CORS on for these browser origins (comma-separated, or '*' for any); off by default")
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
     from kvos.sim import plan_cli

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+
 
 @dataclass
 class EngineConfig:
@@ -19,6 +21,9 @@ class EngineConfig:
     (default: on a GPU): step N+1 is scheduled and queued while step N runs, so host work
     (scheduling, inputs, outputs) overlaps the device; outputs then arrive one step later and a
     sequence that stops on a token runs one extra step whose token is dropped.
+    ``kv_cache_dtype``: ``auto`` keeps K/V in the model's dtype; ``fp8_e4m3`` and ``int8`` store
+    one byte per value plus a float32 scale per (token, layer, K/V, kv head), about half of
+    bf16's bytes (a quarter of float32's), quantized on write and dequantized inside attention.
     """
 
     model: str | None = None
@@ -31,6 +36,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None
     dtype: str | None = None  # bfloat16 on a GPU, float32 on the CPU
+    kv_cache_dtype: str = "auto"  # the model's dtype; or "fp8_e4m3" / "int8", with scales per token and head
     device: str = "cpu"
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -60,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
         if self.kv_layout not in ("unified", "equal_pages", "homogeneous"):
             raise ValueError(f"kv_layout must be 'unified', 'equal_pages' or 'homogeneous', got {self.kv_layout!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from kvos.model.attention import AttentionMetadata, TorchReferenceBackend
+from kvos.model.attention import AttentionMetadata, KVCache, TorchReferenceBackend
 from kvos.model.config import ModelConfig
 from kvos.model.loader import CONFIGS_DIR, load_model, load_tokenizer, resolve_config_path
 from tests.prompts import LONG_DOC
@@ -50,7 +50,7 @@ class PagedSequence:
         self.num_blocks = -(-max_len // BLOCK)
         pool = torch.zeros(cfg.num_layers, 2, self.num_blocks + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim,
                            dtype=dtype, device=device)
-        self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_caches = [KVCache(pool[i, 0], pool[i, 1]) for i in range(cfg.num_layers)]
 
     def table(self, window: int | None, first_query: int) -> torch.Tensor:
         """Blocks 1..n; with a window, entries of blocks wholly before the first key that the

@@ -153,11 +153,15 @@ def test_non_hybrid_model_same_in_every_layout_and_output_unchanged():
 
 def test_kv_bytes_use_the_cache_spec_formula():
     from kvos.cache.spec import FullAttentionSpec
-    from kvos.sim.hardware import KV_BYTES, KV_DTYPES, kv_bytes_per_token
+    from kvos.sim.hardware import KV_DTYPES, kv_bytes_per_token
 
+    # K and V x 32 layers x 8 kv heads x (128 values, plus a float32 scale when quantized)
+    per_head = {"fp32": 4 * 128, "fp16": 2 * 128, "bf16": 2 * 128, "fp8": 128 + 4, "fp8_e4m3": 128 + 4,
+                "int8": 128 + 4}
+    assert set(per_head) == set(KV_DTYPES)
     for name, spec_dtype in KV_DTYPES.items():
         assert kv_bytes_per_token(32, 8, 128, name) == FullAttentionSpec(16, 32, 8, 128, spec_dtype).bytes_per_token
-        assert KV_BYTES[name] * 2 * 32 * 8 * 128 == kv_bytes_per_token(32, 8, 128, name)
+        assert kv_bytes_per_token(32, 8, 128, name) == 2 * 32 * 8 * per_head[name]
 
 
 def test_gemma3_presets_match_their_configs_and_plan_cli(capsys):

@@ -208,6 +208,7 @@ def kv_runner(num_blocks: int = 10):
     runner = ModelRunner.__new__(ModelRunner)
     runner.device, runner.dtype = torch.device("cpu"), torch.float32
     runner.group_caches = [torch.randn(num_blocks, 2, 2, 4, 2, 8)]  # page-major: [blocks, layers, K/V, ...]
+    runner.group_pages = [runner.group_caches[0].view(num_blocks, -1).view(torch.uint8)]
     return runner
 
 

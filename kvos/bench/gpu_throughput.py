@@ -186,6 +186,7 @@ def run(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     eng = llm.engine
+    cost = ModelCost.of(model, dtype.itemsize, eng.layout)  # the KV dtype the engine stores
     result.update(startup_seconds=time.perf_counter() - t0, async_scheduling=eng.async_scheduling,
                   kv_pool_pages=eng.kv.pages.num_pages, kv_pool_GiB=eng.runner.kv_buffer.numel() / 2**30)
     llm.generate([{"prompt_token_ids": [5] * 64}], use_tqdm=False)  # warm-up: kernels compiled

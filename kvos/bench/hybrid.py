@@ -106,7 +106,7 @@ def run(a: argparse.Namespace) -> dict:
         print(layout, "holds", row["capacity"]["requests"], f"requests of {a.capacity_context} tokens, waste",
               f"{row['capacity']['waste_fraction']:.2%}", flush=True)
         cfg = eng.model_config
-        cost = ModelCost.of(eng.runner.model, eng.runner.dtype.itemsize)
+        cost = ModelCost.of(eng.runner.model, eng.runner.dtype.itemsize, eng.layout)
         reqs = fixed(a.requests, a.prompt_len, a.output_len, cfg.vocab_size, a.bench_seed)
         llm.generate([{"prompt_token_ids": p} for p, _ in reqs[:2]], use_tqdm=False)  # warm-up
         run_row = run_kvos(llm, reqs, cost, ceilings) if cuda else run_plain(llm, reqs)

@@ -67,14 +67,20 @@ class ModelCost:
         return sum(context if w is None else min(context, w) for w in self.layer_windows) / len(self.layer_windows)
 
     @classmethod
-    def of(cls, model, dtype_bytes: int) -> ModelCost:
+    def of(cls, model, dtype_bytes: int, layout=None) -> ModelCost:
+        """Weights of ``dtype_bytes``; K/V as the engine's cache ``layout`` stores them (its
+        dtype and scales: ``KVCacheSpec.bytes_per_token``), else in the weights' dtype."""
         cfg = model.cfg
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+        if layout is not None:
+            spec = layout.groups[0].spec
+            kv_per_token = spec.bytes_per_token // spec.num_layers * cfg.num_layers
         params = {id(p): p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n}
         if cfg.tie_word_embeddings:
             params[id(model.lm_head.weight)] = model.lm_head.weight.numel()
         total = sum(params.values())
         return cls(weight_bytes=total * dtype_bytes, matmul_params=total,
-                   kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes,
+                   kv_bytes_per_token=kv_per_token,
                    attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
                    layer_windows=tuple(cfg.layer_windows()))
 

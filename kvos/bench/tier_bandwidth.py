@@ -40,6 +40,7 @@ def run(a: argparse.Namespace) -> dict:
     kv = torch.zeros(a.blocks + 1, a.layers, 2, a.block_size, a.kv_heads, a.head_dim, dtype=torch.bfloat16,
                      device=dev)
     runner.group_caches = [kv.normal_()]  # one cache group, page-major
+    runner.group_pages = [kv.view(a.blocks + 1, -1).view(torch.uint8)]
     expected = kv[1:].clone()
     bb = runner.block_bytes
     tier = CPUTier(2 * bb * (a.blocks + 8), PinnedAllocator()) if cuda else CPUTier(2 * bb * (a.blocks + 8))

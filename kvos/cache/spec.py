@@ -4,7 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-               "fp8": 1, "float8_e4m3fn": 1, "int8": 1}
+               "fp8_e4m3": 1, "int8": 1}
+
+QUANTIZED_KV_DTYPES = ("fp8_e4m3", "int8")
+"""KV dtypes stored with a scale per (token, layer, K or V, kv head): ``x ~= q * scale``."""
+
+SCALE_BYTES = 4
+"""One float32 scale per (token, layer, K or V, kv head) of a quantized cache."""
 
 
 @dataclass(frozen=True)
@@ -12,7 +18,10 @@ class KVCacheSpec:
     """A group of layers sharing one block table per request.
 
     ``num_layers`` counts the layer slots of one page (padding included, in the equal-pages
-    mode); ``page_bytes`` is one block across all of them, K and V together.
+    mode); ``page_bytes`` is one block across all of them, K and V together, scales included.
+    ``dtype`` is the KV cache's own dtype: the model's, or a quantized one (``fp8_e4m3``,
+    ``int8``) whose scales live in the same page as the data they scale, so every copy of a
+    block (copy-on-write, swap, tiers) carries them.
     """
 
     block_size: int
@@ -32,8 +41,22 @@ class KVCacheSpec:
         raise NotImplementedError
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED_KV_DTYPES
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        """K and V of one token over the group's layer slots, their scales included: the one
+        formula that the engine, the planner, the simulator and the roofline all use."""
+        per_head = self.head_dim * DTYPE_BYTES[self.dtype] + (SCALE_BYTES if self.quantized else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of one page before its scales: ``[layer slots, 2, block_size, kv_heads,
+        head_dim]`` elements of ``dtype``; the float32 scales ``[layer slots, 2, kv_heads,
+        block_size]`` follow them (quantized dtypes only)."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def page_bytes(self) -> int:

@@ -7,9 +7,13 @@ from kvos.engine.sampling_params import SamplingParams
 class IncrementalDetokenizer:
     """Keeps a sequence's text in step with its tokens.
 
-    ``text`` never ends in an incomplete UTF-8 character (held back until complete), so a
-    streamed delta is never revised. ``update`` returns the stop string matched, if any, and
-    then truncates ``text`` before it (or after it with ``include_stop_str_in_output``).
+    ``text`` never ends in an incomplete UTF-8 character, nor (while the sequence runs) in text
+    that could still become the start of a stop string: both are held back until resolved, so a
+    streamed delta is never revised and streamed text equals the final text. (Holding back is
+    monotone: a suffix that could start a stop string was a candidate, hence held, in every
+    earlier text too.) ``update`` returns the stop string matched, if any, and then truncates
+    ``text`` before it (or after it with ``include_stop_str_in_output``); ``flush`` releases
+    what is held at the end of a sequence not stopped by a string.
     Without a tokenizer (random-weight models) the text stays empty and no stop string matches.
     """
 
@@ -38,10 +42,19 @@ class IncrementalDetokenizer:
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
+            self.text = full[: len(full) - self._stop_prefix_len(full)]
             return None
         i, s = best
         self.text = full[: i + len(s)] if self.params.include_stop_str_in_output else full[:i]
         return s
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        for n in range(min(self._stop_max - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.params.stop_strings):
+                return n
+        return 0
 
     def flush(self) -> None:
         """At the end of a sequence not stopped by a string: keep an incomplete last character."""

@@ -12,14 +12,18 @@ from kvos.cache.layout import build_layout
 from kvos.config import EngineConfig
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
-from kvos.engine.swap import HostSwapSpace
 from kvos.engine.outputs import CompletionOutput, RequestOutput
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.sampling_params import SamplingParams
 from kvos.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvos.engine.swap import HostSwapSpace
 from kvos.model.fingerprint import model_fingerprint
-from kvos.model.loader import (load_tokenizer, load_tokenizer_for_config, resolve_config_path,
-                               resolve_model_path)
+from kvos.model.loader import (
+    load_tokenizer,
+    load_tokenizer_for_config,
+    resolve_config_path,
+    resolve_model_path,
+)
 from kvos.model.runner import LaunchedStep, ModelRunner, parse_dtype
 
 PromptType = str | list[int] | dict
@@ -38,6 +42,7 @@ class _Group:
     detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
     logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     cum_logprob: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     first_token_time: float | None = None
 
     def finished(self) -> bool:
@@ -70,8 +75,10 @@ class LLMEngine:
         mc = self.model_config = self.runner.cfg
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
+        model_dtype = str(dtype).removeprefix("torch.")
+        self.kv_cache_dtype = model_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.layout = build_layout(mc.layer_windows(), config.block_size, mc.num_kv_heads, mc.head_dim,
-                                   str(dtype).removeprefix("torch."), config.kv_layout)
+                                   self.kv_cache_dtype, config.kv_layout)
         num_blocks = config.num_blocks or self._num_blocks_for_budget()
         if num_blocks < 2:
             raise ValueError(f"the KV budget holds fewer than two pages of {self.layout.large_page_bytes} bytes "
@@ -83,7 +90,7 @@ class LLMEngine:
             raise ValueError("tiers below the device (cpu_cache_gb, disk_cache_dir, remote_cache) and "
                              "preemption_mode='swap' need a single cache group; this model's layout "
                              f"{config.kv_layout!r} has {len(self.layout.groups)} (use kv_layout='homogeneous')")
-        model_id = model_fingerprint(path, str(dtype).removeprefix("torch."), config.random_weights)
+        model_id = model_fingerprint(path, self.kv_cache_dtype, config.random_weights)
         self.kv = KVCacheManager(self.layout, num_blocks, model_id=model_id,
                                  enable_caching=config.enable_prefix_caching)
         self.runner.allocate_kv_cache(self.layout, num_blocks)
@@ -172,6 +179,8 @@ class LLMEngine:
         req = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
                       cache_salt=cache_salt, max_model_len=self.max_model_len)
         group = _Group(request_id, text, ids, params, time.monotonic())
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
         group.seqs[0] = req
         self._groups[request_id] = group
         self._seq_group[request_id] = group
@@ -219,6 +228,13 @@ class LLMEngine:
 
     def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         sampled = self.runner.collect(launched)
+        for rid, (first, rows) in self.runner.collect_prompt_logprobs(launched).items():
+            group = self._seq_group.get(rid)
+            if group is not None and group.prompt_logprobs is not None:
+                plps = group.prompt_logprobs
+                for pos, row in enumerate(rows, first):
+                    if plps[pos] is None:  # a recompute after preemption keeps the first values
+                        plps[pos] = row
         got = self.scheduler.update_from_output(out, {r: s.token_id for r, s in sampled.items()})
         if self.offload is not None:
             self.offload.after_step()
@@ -277,7 +293,8 @@ class LLMEngine:
         if finished:
             metrics["finished_time"] = now
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished,
-                             num_cached_tokens=max(0, group.seqs[0].num_cached_tokens), metrics=metrics)
+                             num_cached_tokens=max(0, group.seqs[0].num_cached_tokens), metrics=metrics,
+                             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs))
 
     # -- observability -------------------------------------------------------------------
     def stats(self) -> dict:

@@ -27,3 +27,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token, None for the first,
+    then {token id: logprob} of that token given those before it, plus the top-k tokens'."""

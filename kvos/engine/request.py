@@ -78,6 +78,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def needs_all_prompt_positions(self) -> bool:
+        """True when every prompt position must be computed here (prompt logprobs): the request
+        takes no prefix-cache or tier hits."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

@@ -9,8 +9,10 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` (or -1) disables top-k. ``seed`` makes a
-    request's samples reproducible whatever else shares its batch. Invalid values raise
-    ``ValueError`` naming the field.
+    request's samples reproducible whatever else shares its batch. ``prompt_logprobs=k`` returns,
+    for every prompt token after the first, its logprob given the tokens before it plus the
+    top-``k`` tokens' (``RequestOutput.prompt_logprobs``); such a request computes its whole
+    prompt (it takes no prefix-cache hits). Invalid values raise ``ValueError`` naming the field.
     """
 
     n: int = 1
@@ -25,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
@@ -70,3 +73,7 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0 or None")

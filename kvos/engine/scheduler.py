@@ -216,8 +216,12 @@ class Scheduler:
                     scheduled[req.request_id] = self._scheduled(req, min(req.num_tokens - req.num_computed_tokens, budget))
                     budget -= scheduled[req.request_id].num_new_tokens
                     continue
-                hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
-                if self.lower_tier_lookup is not None and self.kv.enable_caching:
+                if req.needs_all_prompt_positions:  # prompt logprobs: compute every position
+                    hit_blocks, hit_tokens = None, 0  # (its blocks are still cached for others)
+                else:
+                    hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
+                if (self.lower_tier_lookup is not None and self.kv.enable_caching
+                        and not req.needs_all_prompt_positions):
                     load = self._admit_with_load(req, hit_blocks, hit_tokens)
                     if load is False:
                         break
@@ -231,7 +235,8 @@ class Scheduler:
                         continue
                     break
                 heapq.heappop(self._waiting)
-                self.kv.record_prefix_query(req.num_tokens, hit_tokens)
+                if not req.needs_all_prompt_positions:  # no lookup was made (as vLLM counts)
+                    self.kv.record_prefix_query(req.num_tokens, hit_tokens)
                 req.num_computed_tokens = hit_tokens
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit_tokens
@@ -322,8 +327,8 @@ class Scheduler:
             return
         entries = sorted(self._waiting, key=lambda e: e[0][1:])
         head, tail = entries[: self.LPM_WINDOW], entries[self.LPM_WINDOW:]
-        keyed = [((-self.kv.longest_hit_tokens(r, r.num_tokens - 1), r.arrival, r.sample_index), r)
-                 for _, r in head]
+        keyed = [((0 if r.needs_all_prompt_positions else -self.kv.longest_hit_tokens(r, r.num_tokens - 1),
+                   r.arrival, r.sample_index), r) for _, r in head]
         keyed += [((0, r.arrival, r.sample_index), r) for _, r in tail]
         heapq.heapify(keyed)
         self._waiting = keyed

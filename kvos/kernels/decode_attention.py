@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvos.kernels.tile_attention import (LOG2E, attend_key_range, check_paged_inputs, dot_precision,
-                                         padded_head_dim)
+from kvos.kernels.tile_attention import (LOG2E, V_FOLD, attend_key_range, check_paged_inputs, dot_precision,
+                                         padded_head_dim, quantized_dot_flags, scale_args)
 
 MIN_KEYS_PER_SPLIT = 256
 """``decode_num_splits`` never gives a split fewer keys than this (counted on the padded table)."""
@@ -31,26 +31,37 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return 1 << (splits.bit_length() - 1)
 
 
-def _block_n(head_dim_pad: int) -> int:
-    """Keys per tile: 64, or 32 for 256-wide heads so double-buffered K/V tiles stay small."""
-    return 32 if head_dim_pad >= 256 else 64
+def decode_tiles(head_dim_pad: int, dtype: torch.dtype, quantized: bool) -> tuple[int, int, int]:
+    """(BLOCK_N keys per tile, num_warps, num_stages) of the split kernel. Keys per tile: 64, or
+    32 for 256-wide heads so double-buffered K/V tiles stay small. 8-bit caches take twice as
+    many keys per tile (the same bytes per tile as 16-bit ones) and three stages: the best of a
+    sweep of BLOCK_N x warps x stages on an H100 (``benchmarks/scripts/sweep_quant_tiles.py``;
+    Llama-3.1-8B heads, 32K context: fp8 1.55x, int8 1.44x the bf16 cache's speed, fp8 at 81% of
+    its bytes' time, bf16 at 100%: converting each tile to q's dtype costs the rest)."""
+    block_n = 32 if head_dim_pad >= 256 else 64
+    if quantized:
+        return 2 * block_n, 4, 3
+    return block_n, 8 if dtype == torch.float32 else 4, 2
 
 
 @triton.jit(do_not_specialize=["stride_tb", "window"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr",
+                                            "v_scale_ptr"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_tb, stride_tn,
     stride_ob, stride_oh, stride_od,
+    stride_ksb, stride_kso, stride_ksh, stride_vsb, stride_vso, stride_vsh,
     num_heads, group, window,
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
+    DOT_FP16: tl.constexpr, INT8_FP16: tl.constexpr,
 ):
     """Program (b, kv head, split): the group's query heads over one slice of the context.
 
@@ -60,6 +71,9 @@ def _decode_split_kernel(
     context are empty; keys below ``lo`` are never read. With one split the result goes straight
     to ``out``; otherwise each split writes its normalised partial output and its log2-sum-exp
     (``-inf`` for an empty split) for ``_decode_combine_kernel``.
+
+    QUANT: the caches are fp8 / int8 with float32 scales at ``k_scale_ptr`` / ``v_scale_ptr``
+    (``attend_key_range`` dequantizes); otherwise those arguments are never read.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -79,6 +93,8 @@ def _decode_split_kernel(
     mask_gd = (offs_g < group)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=mask_gd, other=0.0)
+    if DOT_FP16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -87,19 +103,25 @@ def _decode_split_kernel(
     k_head_ptr = k_cache_ptr + kvh * stride_kh
     v_head_ptr = v_cache_ptr + kvh * stride_vh
     table_ptr = block_tables_ptr + b * stride_tb
+    ks_head_ptr = k_scale_ptr + kvh * stride_ksh
+    vs_head_ptr = v_scale_ptr + kvh * stride_vsh
     # Every key of the slice is visible to the query: no lower-bound mask (row_first unused).
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, row_last, row_last, start, full_end, k_head_ptr, v_head_ptr, table_ptr,
-        stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False)
+        stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
+        ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso, scale_log2,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False, QUANT, INT8_FP16)
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, row_last, row_last, full_end, end, k_head_ptr, v_head_ptr, table_ptr,
-        stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, scale_log2,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, False)
+        stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
+        ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso, scale_log2,
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, False, QUANT, INT8_FP16)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if QUANT:
+        o = o * (1.0 / V_FOLD)
     if NUM_SPLITS == 1:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=mask_gd)
@@ -143,16 +165,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
                            num_splits: int | None = None,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (flash-decoding).
 
     q: ``[B, H, D]`` (any strides), the query of each sequence's last token, whose K/V is already
-    in the cache. k_cache, v_cache: ``[num_blocks, block_size, KVH, D]``, same dtype as q, any
-    strides. Query head h reads kv head ``h // (H // KVH)``. block_tables: ``[B, max_blocks]``
-    int32/int64; entries past a sequence's last block are never read. seq_lens: ``[B]`` int,
-    tokens including the new one; sequence b attends keys ``lo .. seq_lens[b]-1``. A row with
-    seq_len 0 (padding) gets zeros. scale: softmax scale. out: ``[B, H, D]`` in q's dtype (any
-    strides), allocated if None; returned.
+    in the cache. k_cache, v_cache: ``[num_blocks, block_size, KVH, D]``, same dtype as q (unless
+    quantized: see k_scale), any strides. Query head h reads kv head ``h // (H // KVH)``.
+    block_tables: ``[B, max_blocks]`` int32/int64; entries past a sequence's last block are never
+    read. seq_lens: ``[B]`` int, tokens including the new one; sequence b attends keys ``lo ..
+    seq_lens[b]-1``. A row with seq_len 0 (padding) gets zeros. scale: softmax scale. out:
+    ``[B, H, D]`` in q's dtype (any strides), allocated if None; returned.
 
     window: sliding-window size of this layer, the same for every sequence; None or 0 means full
     causal attention (``lo = 0``). Otherwise ``lo = max(0, seq_len - window)``: the token at
@@ -160,6 +184,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     window), and only those are read, so table entries of blocks wholly before ``lo`` may be
     anything (e.g. a null block 0). Passed as a runtime int: every window shares one compiled
     variant, and full attention compiles as without the option.
+
+    k_scale, v_scale: quantized caches (``kvos.model.kv_quant``), both or neither: float32
+    ``[num_blocks, block_size, KVH]`` (any strides), the scale of each (token, kv head) row, at
+    the same block and offset as the row; k_cache and v_cache are then both float8_e4m3fn or
+    both int8 (as ``write_kv`` writes them) and q is fp32, bf16 or fp16. Attention runs over the
+    dequantized rows ``x * scale``, dequantized inside the kernel: each tile is converted to q's
+    dtype (exact for both formats), the keys' scales multiply the scores (before the causal and
+    window masks, so hidden keys stay -inf) and the values' scales the probabilities. Scales
+    are read exactly where the caches are: never past ``seq_len`` nor in blocks wholly before
+    ``lo`` (which may hold anything), and the rows that are read must hold finite values and
+    scales (as ``write_kv`` leaves them), as in the unquantized cache. Without scales the kernel
+    compiles as before (a QUANT=False constexpr).
 
     num_splits: context slices per sequence (default ``decode_num_splits`` from the shapes, with
     the table capped at ``window`` keys). The grid is ``(B, KVH, num_splits)`` and each program
@@ -169,11 +205,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with ``torch.empty``.
 
     CUDA graphs: no host synchronisation and no branch on tensor values; launch shapes depend only
-    on ``q.shape``, ``block_tables.shape``, num_splits and window. The workspace comes from torch's
-    caching allocator, which during capture serves it from the graph's private pool, so capture
-    works.
+    on ``q.shape``, ``block_tables.shape``, num_splits and window (and the kernel variant on
+    whether scales are given). The workspace comes from torch's caching allocator, which during
+    capture serves it from the graph's private pool, so capture works.
     """
-    group = check_paged_inputs(q, k_cache, v_cache, block_tables)
+    group = check_paged_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert block_tables.shape[0] == batch and seq_lens.shape == (batch,)
@@ -196,15 +232,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out  # unused: the kernel writes straight to out
     block_d = padded_head_dim(head_dim)
+    scales = scale_args(k_cache, k_scale, v_scale)
+    dot_fp16, int8_fp16 = quantized_dot_flags(q, k_cache, k_scale is not None)
+    block_n, num_warps, num_stages = decode_tiles(block_d, q.dtype, k_scale is not None)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, *scales[:2],
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        num_heads, group, window or 0,
+        *scales[2:], num_heads, group, window or 0,
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(block_d),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype),
-        HAS_WINDOW=bool(window), num_warps=8 if q.dtype == torch.float32 else 4, num_stages=2,
+        HAS_WINDOW=bool(window), QUANT=k_scale is not None, DOT_FP16=dot_fp16, INT8_FP16=int8_fp16,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, num_heads)](

@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvos.kernels.tile_attention import (LOG2E, attend_key_range, check_paged_inputs, dot_precision,
-                                         padded_head_dim)
+from kvos.kernels.tile_attention import (LOG2E, V_FOLD, attend_key_range, check_paged_inputs, dot_precision,
+                                         padded_head_dim, quantized_dot_flags, scale_args)
 
 
 def prefill_tiles(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -26,20 +26,34 @@ def prefill_tiles(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, i
     return max(1, block_m // triton.next_power_of_2(group)), block_n, num_warps
 
 
+def quantized_prefill_tiles(block_n: int, num_warps: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) over an 8-bit cache, from the 16-bit choice: 128 keys and
+    three stages for heads up to 128 wide (the best of a sweep on an H100, at 0.74-0.79x of the
+    bf16 cache's speed: each K/V tile is converted to q's dtype in registers before the dot);
+    wider heads keep the 16-bit tiles (shared memory)."""
+    if block_n >= 64 and num_warps == 4:
+        return 128, 4, 3
+    return block_n, num_warps, 2
+
+
 @triton.jit(do_not_specialize=["stride_tb", "window"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr",
+                                            "k_scale_ptr", "v_scale_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_tb, stride_tn,
     stride_ot, stride_oh, stride_od,
+    stride_ksb, stride_kso, stride_ksh, stride_vsb, stride_vso, stride_vsh,
     group, window,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
+    DOT_FP16: tl.constexpr, INT8_FP16: tl.constexpr,
 ):
     """Program (query tile, sequence, kv head): BLOCK_Q new tokens x the group's query heads.
 
@@ -52,6 +66,9 @@ def _prefill_kernel(
     start at ``lo``, the first one the tile's first row sees; whole BLOCK_N tiles visible to every
     row of the tile (from the last row's first key up to the first row's position) run unmasked,
     the keys before and after them masked on both sides per row. Keys below ``lo`` are never read.
+
+    QUANT: the caches are fp8 / int8 with float32 scales at ``k_scale_ptr`` / ``v_scale_ptr``
+    (``attend_key_range`` dequantizes); otherwise those arguments are never read.
     """
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -74,6 +91,8 @@ def _prefill_kernel(
     mask_md = ((tok < q_len) & (g < group))[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)
+    if DOT_FP16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -82,6 +101,8 @@ def _prefill_kernel(
     k_head_ptr = k_cache_ptr + kvh * stride_kh
     v_head_ptr = v_cache_ptr + kvh * stride_vh
     table_ptr = block_tables_ptr + seq * stride_tb
+    ks_head_ptr = k_scale_ptr + kvh * stride_ksh
+    vs_head_ptr = v_scale_ptr + kvh * stride_vsh
     row_first = row_last  # the rows' first visible keys: unused without a window
     full_start = 0
     masked_start = full_end
@@ -97,20 +118,25 @@ def _prefill_kernel(
         acc, m_i, l_i = attend_key_range(
             acc, m_i, l_i, q, row_first, row_last, lo, tl.maximum(full_start, lo), k_head_ptr,
             v_head_ptr, table_ptr, stride_tn, stride_kb, stride_ko, stride_kd, stride_vb,
-            stride_vo, stride_vd, scale_log2,
-            BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, True)
+            stride_vo, stride_vd, ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb,
+            stride_vso, scale_log2,
+            BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, True, QUANT, INT8_FP16)
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, row_first, row_last, full_start, full_end, k_head_ptr, v_head_ptr,
         table_ptr, stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
-        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False)
+        ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso,
+        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False, QUANT, INT8_FP16)
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, row_first, row_last, masked_start, end, k_head_ptr, v_head_ptr,
         table_ptr, stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
-        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, HAS_WINDOW)
+        ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso,
+        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, HAS_WINDOW, QUANT, INT8_FP16)
 
     if HAS_WINDOW:
         l_i = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows past q_len may see no key: no 0 / 0
     o = acc / l_i[:, None]
+    if QUANT:
+        o = o * (1.0 / V_FOLD)
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh
              + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=mask_md)
 
@@ -119,7 +145,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, max_query_len: int, scale: float,
                             out: torch.Tensor | None = None,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     q: ``[T, H, D]`` (any strides), the new tokens of S sequences concatenated: sequence s owns
@@ -128,12 +156,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the sequence's query length; new token i of sequence s sits at position
     ``seq_lens[s] - q_len_s + i`` and attends keys ``0 ..`` that position (but see window). Every
     new token's K/V must already be in the cache (write it first with ``write_kv``). k_cache,
-    v_cache: ``[num_blocks, block_size, KVH, D]``, q's dtype, any strides; query head h reads kv
-    head ``h // (H // KVH)``. block_tables: ``[S, max_blocks]`` int32/int64; entries past a
-    sequence's last block are never read. max_query_len: an upper bound on every q_len (it sizes
-    the grid; a larger bound only adds programs that exit at once). A sequence with q_len 1 is a
-    decode, so one call can serve a mixed batch. out: ``[T, H, D]`` in q's dtype (any strides),
-    allocated if None; returned. Rows of q not owned by any sequence are left untouched.
+    v_cache: ``[num_blocks, block_size, KVH, D]``, q's dtype (unless quantized: see k_scale), any
+    strides; query head h reads kv head ``h // (H // KVH)``. block_tables: ``[S, max_blocks]``
+    int32/int64; entries past a sequence's last block are never read. max_query_len: an upper
+    bound on every q_len (it sizes the grid; a larger bound only adds programs that exit at once).
+    A sequence with q_len 1 is a decode, so one call can serve a mixed batch. out: ``[T, H, D]``
+    in q's dtype (any strides), allocated if None; returned. Rows of q not owned by any sequence
+    are left untouched.
 
     window: sliding-window size of this layer, the same for every sequence; None or 0 means full
     causal attention. Otherwise the token at position p attends keys ``p - window < j <= p``
@@ -142,10 +171,22 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     sequence's first new token may be anything (e.g. a null block 0). Passed as a runtime int:
     every window shares one compiled variant, and full attention compiles as without the option.
 
+    k_scale, v_scale: quantized caches (``kvos.model.kv_quant``), both or neither: float32
+    ``[num_blocks, block_size, KVH]`` (any strides), the scale of each (token, kv head) row, at
+    the same block and offset as the row; k_cache and v_cache are then both float8_e4m3fn or
+    both int8 (as ``write_kv`` writes them) and q is fp32, bf16 or fp16. Attention runs over the
+    dequantized rows ``x * scale``, dequantized inside the kernel: each tile is converted to q's
+    dtype (exact for both formats), the keys' scales multiply the scores (before the causal and
+    window masks, so hidden keys stay -inf) and the values' scales the probabilities. Scales
+    are read exactly where the caches are: never past a sequence's length nor in blocks wholly
+    before the window (which may hold anything), and the rows that are read must hold finite
+    values and scales (as ``write_kv`` leaves them), as in the unquantized cache. Without scales
+    the kernel compiles as before (a QUANT=False constexpr).
+
     CUDA graphs: no host synchronisation and no branch on tensor values; the grid depends on
     max_query_len, S and KVH only.
     """
-    group = check_paged_inputs(q, k_cache, v_cache, block_tables)
+    group = check_paged_inputs(q, k_cache, v_cache, block_tables, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
     head_dim = q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -157,14 +198,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_seqs == 0 or max_query_len <= 0:
         return out
     block_q, block_n, num_warps = prefill_tiles(head_dim, group, q.dtype)
+    num_stages = 2
+    if k_scale is not None:
+        block_n, num_warps, num_stages = quantized_prefill_tiles(block_n, num_warps)
+    scales = scale_args(k_cache, k_scale, v_scale)
+    dot_fp16, int8_fp16 = quantized_dot_flags(q, k_cache, k_scale is not None)
     _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, *scales[:2],
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        group, window or 0,
+        *scales[2:], group, window or 0,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_N=block_n, BLOCK_D=padded_head_dim(head_dim), HEAD_DIM=head_dim,
-        PRECISION=dot_precision(q.dtype), HAS_WINDOW=bool(window), num_warps=num_warps,
-        num_stages=2,
+        PRECISION=dot_precision(q.dtype), HAS_WINDOW=bool(window), QUANT=k_scale is not None, DOT_FP16=dot_fp16, INT8_FP16=int8_fp16,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

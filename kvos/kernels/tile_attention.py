@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvos.model.kv_quant import kv_dtype_of
+
 LOG2E = 1.4426950408889634
 """Scores are scaled by ``scale * LOG2E`` so the softmax can use exp2."""
 
@@ -45,16 +47,55 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_tables: torch.Tensor) -> int:
-    """Validate shapes shared by the attention wrappers; return the GQA group size H // KVH."""
+                       block_tables: torch.Tensor, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> int:
+    """Validate shapes shared by the attention wrappers; return the GQA group size H // KVH.
+
+    Without scales the caches share q's dtype. With ``k_scale`` and ``v_scale`` (both or neither)
+    the caches are quantized (``kvos.model.kv_quant``: both float8_e4m3fn or both int8) and the
+    scales are float32 ``[num_blocks, block_size, KVH]``, any strides."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, "caches: [blocks, block_size, KVH, D]"
     assert k_cache.shape[3] == head_dim, "q and the caches disagree on head_dim"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    assert (k_scale is None) == (v_scale is None), "pass both k_scale and v_scale, or neither"
+    if k_scale is None:
+        assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    else:
+        assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), "q: fp32, bf16 or fp16"
+        assert k_cache.dtype == v_cache.dtype and kv_dtype_of(k_cache.dtype) is not None, \
+            "scaled caches must both be float8_e4m3fn or both int8"
+        for s in (k_scale, v_scale):
+            assert s.dtype == torch.float32 and s.shape == k_cache.shape[:3], \
+                "scales: float32 [blocks, block_size, KVH]"
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert block_tables.dim() == 2 and not block_tables.is_floating_point()
     return num_heads // num_kv_heads
+
+
+def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> tuple:
+    """The kernels' scale arguments: ``(k_scale, v_scale, *k_scale.stride(), *v_scale.stride())``,
+    or without scales k_cache twice as a never-read stand-in and zero strides (QUANT=False)."""
+    if k_scale is None:
+        return (k_cache, k_cache) + (0,) * 6
+    return (k_scale, v_scale, *k_scale.stride(), *v_scale.stride())
+
+
+V_FOLD: tl.constexpr = tl.constexpr(256.0)
+"""Power of two folded into ``p * v_scale`` over a quantized cache (exact; divided out at the end)."""
+
+
+def quantized_dot_flags(q: torch.Tensor, k_cache: torch.Tensor, quantized: bool) -> tuple[bool, bool]:
+    """(DOT_FP16, INT8_FP16) constexprs of the kernels over an 8-bit cache. DOT_FP16: a 16-bit
+    query is clamped to fp16's range and cast to fp16, the dots' operand dtype, because fp8 e4m3
+    widens to fp16 in one instruction per pair and int8 by a bit trick, where bf16 takes several
+    (on an H100 the conversion, not HBM, bounds the 8-bit decode kernel); fp32 queries (the exact
+    testing path) stay fp32. INT8_FP16: int8 tiles widen to fp16 by the bits ``0x6480 + x``, which
+    are ``1152 + x`` for every x in -128..127 (ulp 1 in [1024, 2048)): one add and one subtract
+    (a decode kernel at 1.45x bf16's speed where ``.to`` gives 1.22x)."""
+    dot_fp16 = quantized and q.dtype != torch.float32
+    return dot_fp16, dot_fp16 and k_cache.dtype == torch.int8
 
 
 @triton.jit
@@ -62,10 +103,11 @@ def attend_key_range(
     acc, m_i, l_i, q, row_first, row_last, start, end,
     k_head_ptr, v_head_ptr, table_ptr, stride_table,
     stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
+    k_scale_head_ptr, v_scale_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso,
     scale_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    WINDOWED: tl.constexpr, QUANT: tl.constexpr, INT8_FP16: tl.constexpr = False,
 ):
     """Fold keys at positions ``start .. end-1`` of one sequence into the softmax state.
 
@@ -87,6 +129,20 @@ def attend_key_range(
     few selects per tile: row r sees the keys ``row_first[r] .. row_last[r]`` of the range and no
     others, and a row that sees no key (in a tile or in the whole range) keeps ``m_i = -inf``,
     ``l_i = 0``.
+
+    QUANT=True (quantized cache, ``kvos.model.kv_quant``): the caches hold fp8 e4m3 / int8 values
+    and ``k_scale_head_ptr`` / ``v_scale_head_ptr`` point at this kv head's float32 scales, key
+    position p's K scale at ``block * stride_ksb + offset * stride_kso`` (V: stride_vsb,
+    stride_vso). q is fp32, or fp16 for 16-bit queries (``quantized_dot_flags``). A tile is
+    converted to q's dtype (exact for both formats; INT8_FP16: by the bit trick), the keys' scales multiply
+    the score columns (``s = (q @ k^T) * k_scale``, before the masking, so a hidden key stays -inf
+    whatever its scale) and the values' scales the probabilities, times ``V_FOLD`` so that fp16
+    products stay clear of fp16's subnormals (``acc += (p * v_scale * V_FOLD) @ v``; the caller
+    divides the output by V_FOLD): attention over the dequantized cache ``x * scale`` without a
+    dequantized copy of either tile. Scales are read at exactly the positions the caches are (loads past
+    ``end`` are masked, to 0), so, as without quantization, the rows in range must hold finite
+    values and scales: a hidden key's p is 0, but 0 times NaN is NaN. QUANT=False: the scale
+    arguments are never read.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -104,7 +160,20 @@ def attend_key_range(
         offset = pos % BLOCK_SIZE
         k = tl.load(k_head_ptr + (block * stride_kb + offset * stride_ko)[:, None]
                     + (offs_d * stride_kd)[None, :], mask=tile_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if QUANT:
+            if MASKED:
+                k_scale = tl.load(k_scale_head_ptr + block * stride_ksb + offset * stride_kso,
+                                  mask=in_range, other=0.0)
+            else:
+                k_scale = tl.load(k_scale_head_ptr + block * stride_ksb + offset * stride_kso)
+            if INT8_FP16:
+                kw = (k.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - tl.full(k.shape, 1152.0, tl.float16)
+            else:
+                kw = k.to(q.dtype)
+            s = tl.dot(q, tl.trans(kw), input_precision=PRECISION)
+            s = s * (k_scale * scale_log2)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if MASKED:
             visible = pos[None, :] <= row_last[:, None]
             if WINDOWED:
@@ -122,6 +191,19 @@ def attend_key_range(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head_ptr + (block * stride_vb + offset * stride_vo)[:, None]
                     + (offs_d * stride_vd)[None, :], mask=tile_mask, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        if QUANT:
+            if MASKED:
+                v_scale = tl.load(v_scale_head_ptr + block * stride_vsb + offset * stride_vso,
+                                  mask=in_range, other=0.0)
+            else:
+                v_scale = tl.load(v_scale_head_ptr + block * stride_vsb + offset * stride_vso)
+            if INT8_FP16:
+                vw = (v.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - tl.full(v.shape, 1152.0, tl.float16)
+            else:
+                vw = v.to(q.dtype)
+            acc = tl.dot((p * (v_scale * V_FOLD)[None, :]).to(q.dtype), vw, acc * alpha[:, None],
+                         input_precision=PRECISION)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kvos.model.kv_quant import dequantize, kv_dtype_of, quantize
 
 
 @dataclass
@@ -34,8 +37,20 @@ class AttentionMetadata:
     max_prefill_len: int = 0
 
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-"""One layer's K and V caches, each ``[num_blocks, block_size, kv_heads, head_dim]`` (any strides)."""
+class KVCache(NamedTuple):
+    """One layer's paged K and V: ``k``, ``v`` ``[num_blocks, block_size, kv_heads, head_dim]``
+    (any strides: views into a page-major pool). A quantized cache (fp8 / int8 storage) has
+    float32 scales ``k_scale``, ``v_scale`` ``[num_blocks, block_size, kv_heads]`` beside them
+    (``kvos.model.kv_quant``); the model's own dtype has none."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
 
 class AttentionBackend(ABC):
@@ -48,20 +63,32 @@ class AttentionBackend(ABC):
     """
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: int | None = None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D] (any
-        strides: a layer's view into a page-major pool). A query at position p attends keys at
-        positions ``p - window < j <= p`` (all ``j <= p`` without a window). Returns [T, H, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; cache: the layer's paged K/V (quantized on write
+        when it has scales; attention then reads the dequantized values, its own new tokens'
+        included). A query at position p attends keys at positions ``p - window < j <= p`` (all
+        ``j <= p`` without a window). Returns [T, H, D]."""
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    bs = k_cache.shape[1]
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Token t's K/V into flat slot ``slot_mapping[t]`` (quantized, with its scales, when the
+    cache is)."""
+    bs = cache.k.shape[1]
     blocks, offsets = slot_mapping // bs, slot_mapping % bs
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+    for x, data, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        if scales is None:
+            data[blocks, offsets] = x.to(data.dtype)
+        else:
+            data[blocks, offsets], scales[blocks, offsets] = quantize(x, kv_dtype_of(data.dtype))
+
+
+def gather_kv(data: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``data[index]`` in ``dtype``, dequantized when ``scales`` is given."""
+    if scales is None:
+        return data[index].to(dtype)
+    return dequantize(data[index], scales[index], dtype)
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -71,16 +98,16 @@ class TorchReferenceBackend(AttentionBackend):
     alone with a causal mask offset by its cached prefix. The numerical oracle for other backends.
     """
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, cache, meta, scale, window=None):
+        write_kv(k, v, cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
+            out[:nd] = self._decode(q[:nd], cache, meta, scale, window)
         t = nd
         for i in range(nd, len(meta.query_lens_list)):
             n, ctx = meta.query_lens_list[i], meta.seq_lens_list[i]
-            out[t : t + n] = self._prefill(q[t : t + n], k_cache, v_cache, meta.block_tables[i], ctx,
+            out[t : t + n] = self._prefill(q[t : t + n], cache, meta.block_tables[i], ctx,
                                            meta.block_size, scale, window)
             t += n
         return out
@@ -89,7 +116,7 @@ class TorchReferenceBackend(AttentionBackend):
     """Decodes are padded per group of this many sequences of similar length, not to the
     longest context of the whole batch."""
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+    def _decode(self, q, cache: KVCache, meta: AttentionMetadata, scale: float,
                 window: int | None) -> torch.Tensor:
         nd = q.shape[0]
         lens = meta.seq_lens_list[:nd]
@@ -98,50 +125,53 @@ class TorchReferenceBackend(AttentionBackend):
         for g in range(0, nd, self.DECODE_GROUP):
             rows = order[g : g + self.DECODE_GROUP]
             idx = torch.tensor(rows, device=q.device)
-            out[idx] = self._decode_group(q[idx], k_cache, v_cache, meta.block_tables[idx],
+            out[idx] = self._decode_group(q[idx], cache, meta.block_tables[idx],
                                           meta.seq_lens[idx], lens[rows[-1]], meta.block_size, scale,
                                           window)
         return out
 
     @staticmethod
-    def _decode_group(q, k_cache, v_cache, tables, seq_lens, max_len: int, block_size: int,
+    def _decode_group(q, cache: KVCache, tables, seq_lens, max_len: int, block_size: int,
                       scale: float, window: int | None = None) -> torch.Tensor:
         n = q.shape[0]
         nb = -(-max_len // block_size)
         tables = tables[:, :nb]
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[tables].reshape(n, nb * block_size, kvh, d).transpose(1, 2)
-        values = v_cache[tables].reshape(n, nb * block_size, kvh, d).transpose(1, 2)
+        kvh, d = cache.k.shape[2], cache.k.shape[3]
+        keys = gather_kv(cache.k, cache.k_scale, tables, q.dtype).reshape(n, nb * block_size, kvh, d).transpose(1, 2)
+        values = gather_kv(cache.v, cache.v_scale, tables, q.dtype).reshape(n, nb * block_size, kvh, d).transpose(1, 2)
         pos = torch.arange(nb * block_size, device=q.device)
         mask = pos[None, :] < seq_lens[:, None]
         if window:
             mask &= pos[None, :] >= seq_lens[:, None] - window
+        if cache.quantized:  # slots past a sequence's end hold a reused page's bytes: NaN or inf as fp8
+            keep = mask[:, None, :, None]
+            keys, values = keys.masked_fill(~keep, 0), values.masked_fill(~keep, 0)
         mask = mask.view(n, 1, 1, -1)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, table, ctx: int, block_size: int, scale: float,
+    def _prefill(q, cache: KVCache, table, ctx: int, block_size: int, scale: float,
                  window: int | None = None) -> torch.Tensor:
         n = q.shape[0]
         nb = -(-ctx // block_size)
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[table[:nb]].reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
-        values = v_cache[table[:nb]].reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+        kvh, d = cache.k.shape[2], cache.k.shape[3]
+        keys = gather_kv(cache.k, cache.k_scale, table[:nb], q.dtype).reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+        values = gather_kv(cache.v, cache.v_scale, table[:nb], q.dtype).reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)
         if window and window < ctx:
             qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             kpos = torch.arange(ctx, device=q.device)[None, :]
             mask = (kpos <= qpos) & (kpos > qpos - window)
-            o = F.scaled_dot_product_attention(qh, keys.to(q.dtype), values.to(q.dtype),
+            o = F.scaled_dot_product_attention(qh, keys, values,
                                                attn_mask=mask, scale=scale, enable_gqa=True)
         elif n == ctx:
-            o = F.scaled_dot_product_attention(qh, keys.to(q.dtype), values.to(q.dtype),
+            o = F.scaled_dot_product_attention(qh, keys, values,
                                                is_causal=True, scale=scale, enable_gqa=True)
         else:
             qpos = torch.arange(ctx - n, ctx, device=q.device)
             mask = qpos[:, None] >= torch.arange(ctx, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qh, keys.to(q.dtype), values.to(q.dtype),
+            o = F.scaled_dot_product_attention(qh, keys, values,
                                                attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)

@@ -29,7 +29,7 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_layers: list[KVCache], layer_group: list[int],
                  num_groups: int, backend: AttentionBackend, block_size: int, max_batch: int,
                  max_blocks: int) -> None:
-        dev = kv_layers[0][0].device
+        dev = kv_layers[0].k.device
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.sizes = batch_ladder(max_batch)

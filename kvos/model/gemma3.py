@@ -58,7 +58,7 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(k.view(-1, self.nkv, self.hd))
         v = v.view(-1, self.nkv, self.hd)
         q, k = rope(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -96,7 +96,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -10,11 +10,25 @@ import torch
 
 from kvos.cache.layout import CacheLayout
 from kvos.engine.scheduler import SchedulerOutput
-from kvos.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchReferenceBackend
+from kvos.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    TorchReferenceBackend,
+)
 from kvos.model.cuda_graphs import DecodeGraphs
+from kvos.model.kv_quant import TORCH_DTYPES as QUANTIZED_TORCH_DTYPES
 from kvos.model.loader import load_model
 from kvos.model.ops import triton_enabled
-from kvos.model.sampler import PendingSamples, SampledToken, Sampler, SampleRow
+from kvos.model.sampler import (
+    PendingPromptLogprobs,
+    PendingSamples,
+    PromptLogprobRows,
+    SampledToken,
+    Sampler,
+    SampleRow,
+    prompt_logprobs,
+)
 from kvos.model.transfer import to_device
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -23,10 +37,12 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device: its sampling targets and their samples in flight."""
+    """A step queued on the device: its sampling targets and their samples in flight, and the
+    prompt logprobs of its prefill chunks that asked for them."""
 
     targets: list[str]
     samples: PendingSamples | None
+    prompt_logprobs: PendingPromptLogprobs | None = None
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -54,7 +70,9 @@ class ModelRunner:
     null block are finite). Cache group g views it as ``[num_blocks_g, layer_slots_g, 2,
     block_size, kv_heads, head_dim]`` (page-major: one block holds every layer of its group);
     block ids of group g index the first dimension, and layer l reads the slot its group gives
-    it (``kv_layers[l]``).
+    it (``kv_layers[l]``). A quantized group's page holds its float32 scales ``[layer_slots_g, 2,
+    kv_heads, block_size]`` after the data (``KVCacheSpec.data_bytes``), so a block's bytes are
+    self-contained.
     """
 
     def __init__(self, model_path: Path, dtype: torch.dtype, device: torch.device,
@@ -69,6 +87,10 @@ class ModelRunner:
         self.kv_buffer: torch.Tensor | None = None
         self.group_caches: list[torch.Tensor] = []
         """Per cache group: ``[num_blocks, layer_slots, 2, block_size, kv_heads, head_dim]``."""
+        self.group_scales: list[torch.Tensor | None] = []
+        """Per quantized cache group: its float32 scales ``[num_blocks, layer_slots, 2, block_size, kv_heads]``."""
+        self.group_pages: list[torch.Tensor] = []
+        """Per cache group: its blocks as ``uint8 [num_blocks, page_bytes]`` rows (data and scales)."""
         self.kv_layers: list[KVCache] = []
         """Per model layer: its (K, V) views ``[num_blocks, block_size, kv_heads, head_dim]``."""
         self.layer_group: list[int] = []
@@ -92,7 +114,7 @@ class ModelRunner:
         bs = 16
         nb = -(-max_num_batched_tokens // bs) + 1
         scratch = torch.zeros(c.num_layers, 2, nb, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=dev)
-        layers = [(scratch[i, 0], scratch[i, 1]) for i in range(c.num_layers)]
+        layers = [KVCache(scratch[i, 0], scratch[i, 1]) for i in range(c.num_layers)]
         n = max_num_batched_tokens
         meta = AttentionMetadata(
             slot_mapping=torch.arange(bs, bs + n, device=dev),
@@ -111,11 +133,13 @@ class ModelRunner:
         others = total - free - torch.cuda.memory_reserved(dev)
         return max(0, int(total * gpu_memory_utilization - others - peak))
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_context: int = 8192) -> None:
         """CUDA graphs for decode steps of up to ``max_num_seqs`` sequences of up to
-        ``min(max_model_len, 8192)`` tokens (longer or larger steps run eagerly)."""
+        ``min(max_model_len, max_context)`` tokens (longer or larger steps run eagerly). A graph's
+        decode kernel splits the context for the longest table it can hold, so a larger
+        ``max_context`` serves long contexts at graph speed and short ones a little slower."""
         assert self.kv_buffer is not None, "allocate_kv_cache first"
-        max_blocks = -(-min(max_model_len, 8192) // self.block_size)
+        max_blocks = -(-min(max_model_len, max_context) // self.block_size)
         with torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.kv_layers, self.layer_group, len(self.group_caches),
                                        self.backend, self.block_size, min(max_num_seqs, 256), max_blocks)
@@ -126,17 +150,35 @@ class ModelRunner:
         self.layout = layout
         self.block_size = layout.block_size
         self.kv_buffer = torch.zeros(num_pages * layout.large_page_bytes, dtype=torch.uint8, device=self.device)
-        flat = self.kv_buffer.view(self.dtype)
-        self.group_caches = []
+        self.group_caches, self.group_scales, self.group_pages = [], [], []
         for g, group in enumerate(layout.groups):
             s = group.spec
-            self.group_caches.append(flat.view(num_pages * layout.blocks_per_large_page(g), s.num_layers, 2,
-                                               s.block_size, s.num_kv_heads, s.head_dim))
+            nb = num_pages * layout.blocks_per_large_page(g)
+            storage = QUANTIZED_TORCH_DTYPES.get(s.dtype) or parse_dtype(s.dtype)
+            elem = torch.empty(0, dtype=storage).element_size()
+            shape = (nb, s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
+            assert s.page_bytes % elem == 0
+            inner = torch.empty(shape[1:], device="meta").stride()
+            self.group_caches.append(self.kv_buffer.view(storage).as_strided(shape, (s.page_bytes // elem, *inner)))
+            self.group_pages.append(self.kv_buffer.view(nb, s.page_bytes))
+            scales = None
+            if s.quantized:
+                assert s.page_bytes % 4 == 0 and s.data_bytes % 4 == 0
+                # stored [layer slots, 2, kv_heads, block_size]: one head's scales of a block are
+                # contiguous (coalesced loads in the attention kernels); viewed [.., block_size, kv_heads]
+                sshape = shape[:-1]
+                kvh, bs = s.num_kv_heads, s.block_size
+                scales = self.kv_buffer.view(torch.float32).as_strided(
+                    sshape, (s.page_bytes // 4, 2 * kvh * bs, kvh * bs, 1, bs), s.data_bytes // 4)
+            self.group_scales.append(scales)
         self.kv_layers, self.layer_group = [], []
         for layer in range(c.num_layers):
             g, slot = layout.layer_slot(layer)
-            view = self.group_caches[g]
-            self.kv_layers.append((view[:, slot, 0], view[:, slot, 1]))
+            view, scales = self.group_caches[g], self.group_scales[g]
+            if scales is None:
+                self.kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1]))
+            else:
+                self.kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1], scales[:, slot, 0], scales[:, slot, 1]))
             self.layer_group.append(g)
 
     READ_CHUNK_BYTES = 256 << 20
@@ -144,41 +186,44 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block's K and V across all layers (one row of ``read_blocks``)."""
-        kv = self._single_group_cache()
-        return kv[0].numel() * kv.element_size()
+        """Bytes of one block across its group's layers, scales included (one row of ``read_blocks``)."""
+        return self._single_group_pages().shape[1]
 
-    def _single_group_cache(self) -> torch.Tensor:
-        if len(self.group_caches) != 1:
+    def _single_group_pages(self) -> torch.Tensor:
+        if len(self.group_pages) != 1:
             raise ValueError("block reads and writes (tiers, swap) need a single cache group")
-        return self.group_caches[0]
+        return self.group_pages[0]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks' K and V as rows of a host ``uint8`` tensor ``[n, block_bytes]`` (each row
-        ``[num_layers, 2, block_size, kv_heads, head_dim]``), pinned when the KV tensor is on a
-        GPU: one gather and one device-to-host copy per ``READ_CHUNK_BYTES``; returns when the
-        copy is complete. Only valid while the blocks' content is what their owner says: call
-        before the blocks are handed to someone else."""
-        kv = self._single_group_cache()
-        n, bb = len(block_ids), self.block_bytes
-        by_block = kv
-        idx = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-        if kv.device.type == "cpu":
-            return by_block[idx].contiguous().view(torch.uint8).view(n, bb)
+        """The blocks' bytes as rows of a host ``uint8`` tensor ``[n, block_bytes]`` (each row
+        a whole page: ``[num_layers, 2, block_size, kv_heads, head_dim]`` values of the cache
+        dtype, then a quantized cache's scales), pinned when the pool is on a GPU: one gather
+        and one device-to-host copy per ``READ_CHUNK_BYTES``; returns when the copy is complete.
+        Only valid while the blocks' content is what their owner says: call before the blocks
+        are handed to someone else."""
+        pages = self._single_group_pages()
+        n, bb = len(block_ids), pages.shape[1]
+        idx = torch.tensor(block_ids, dtype=torch.long, device=pages.device)
+        if pages.device.type == "cpu":
+            return pages[idx]
         host = torch.empty(n, bb, dtype=torch.uint8, pin_memory=True)
         step = max(1, self.READ_CHUNK_BYTES // bb)
         for i in range(0, n, step):
-            host[i: i + step].copy_(by_block[idx[i: i + step]].contiguous().view(torch.uint8).view(-1, bb))
+            host[i: i + step].copy_(pages[idx[i: i + step]])
         return host
 
     def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """Fill ``block_ids`` from ``rows`` (``uint8 [n, block_bytes]`` as ``read_blocks``
         returns, contiguous, on any device) with one device-side scatter, queued on the current
-        stream. Only into blocks their request owns. A host ``rows`` is copied to the device
-        first (asynchronously when pinned: torch keeps its memory until the copy is done)."""
-        kv = self._single_group_cache()
-        src = rows.to(kv.device, non_blocking=True).view(self.dtype).view(len(block_ids), *kv.shape[1:])
-        kv.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=kv.device), src)
+        stream. Only into blocks their request owns, and only rows read from a pool of the same
+        cache spec (the hash root includes the KV dtype, so a tier never offers another's). A
+        host ``rows`` is copied to the device first (asynchronously when pinned: torch keeps its
+        memory until the copy is done)."""
+        pages = self._single_group_pages()
+        if rows.shape[1:] != pages.shape[1:]:
+            raise ValueError(f"block rows of {rows.shape[1]} bytes do not fit pages of {pages.shape[1]}")
+        src = rows.to(pages.device, non_blocking=True)
+        pages.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=pages.device), src)
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -202,6 +247,8 @@ class ModelRunner:
         block_lists = [s.block_ids for s in seqs]  # per sequence, per group; every group's table is as long
         tables = np.zeros((G, n, max(len(b[0]) for b in block_lists)), np.int32)
         logit_rows, row_ids, sample_rows, targets, ids = [], [], [], [], []
+        plp_rows: list[int] = []  # rows scoring the next prompt token (prompt logprobs)
+        plp_entries: list[PromptLogprobRows] = []
         feed_dst, feed_src = [], []  # input positions whose token is still on the device
         last_rows: dict[str, int] | None = None
         t = 0
@@ -220,6 +267,14 @@ class ModelRunner:
                 ids.append(0)
             for g, blocks in enumerate(block_lists[i]):
                 tables[g, i, : len(blocks)] = blocks
+            k = s.request.sampling_params.prompt_logprobs
+            if k is not None:  # row p scores prompt token p + 1 (the last prompt row samples)
+                prompt = s.request.prompt_token_ids
+                hi = min(s.start + s.num_new_tokens, len(prompt) - 1)
+                if hi > s.start:
+                    plp_rows.extend(range(t, t + hi - s.start))
+                    plp_entries.append(PromptLogprobRows(s.request.request_id, s.start + 1,
+                                                         prompt[s.start + 1: hi + 1], k))
             t += s.num_new_tokens
             if s.samplers:
                 row = len(logit_rows)
@@ -234,10 +289,11 @@ class ModelRunner:
         nd = int(np.count_nonzero(qlens == 1))
         prefill_loc = np.concatenate([[0], np.cumsum(qlens[nd:])])
         # one host-to-device copy for every int64 input of the step (and one for the tables)
+        plp_targets = [tok for e in plp_entries for tok in e.token_ids]
         packed = np.concatenate([ids, positions, slots.reshape(-1), logit_rows, feed_dst, feed_src, seq_lens,
-                                 prefill_loc]).astype(np.int64)
+                                 prefill_loc, plp_rows, plp_targets]).astype(np.int64)
         packed = to_device(packed, torch.int64, self.device)
-        T, L, F = len(ids), len(logit_rows), len(feed_dst)
+        T, L, F, P = len(ids), len(logit_rows), len(feed_dst), len(plp_rows)
         input_ids, pos_t = packed[:T], packed[T : 2 * T]
         slots_t = packed[2 * T : (2 + G) * T].view(G, T)
         o = (2 + G) * T
@@ -246,7 +302,10 @@ class ModelRunner:
             assert self._last_tokens is not None
             dst, src = packed[o + L : o + L + F], packed[o + L + F : o + L + 2 * F]
             input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
-        rest = packed[o + L + 2 * F :].to(torch.int32)
+        rest = packed[o + L + 2 * F : len(packed) - 2 * P].to(torch.int32)
+        plp = None
+        if P:
+            plp = (plp_entries, packed[len(packed) - 2 * P : len(packed) - P], packed[len(packed) - P :])
         tables_t = to_device(tables, torch.int32, self.device)
         qlist, slist = qlens.tolist(), seq_lens.tolist()
         max_prefill = int(qlens[nd:].max()) if nd < n else 0
@@ -254,7 +313,7 @@ class ModelRunner:
             slot_mapping=slots_t[g], block_tables=tables_t[g], seq_lens=rest[:n], query_lens_list=qlist,
             seq_lens_list=slist, num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
             max_prefill_len=max_prefill) for g in range(G)]
-        return input_ids, pos_t, metas, tables_t, slots_t, logit_idx, row_ids, sample_rows, targets
+        return input_ids, pos_t, metas, tables_t, slots_t, logit_idx, row_ids, sample_rows, targets, plp
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
@@ -272,10 +331,11 @@ class ModelRunner:
             self._generators.pop(rid, None)
         assert self.kv_buffer is not None, "allocate_kv_cache first"
         for group, src, dst in out.copies:
-            self.group_caches[group][dst].copy_(self.group_caches[group][src])
+            self.group_pages[group][dst].copy_(self.group_pages[group][src])
         if out.is_empty:
             return LaunchedStep([], None)
-        input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets = self._prepare(out)
+        (input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets,
+         plp) = self._prepare(out)
         meta, g = metas[0], self.graphs
         if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
                 g.can_run(meta.num_decodes, tables.shape[2]):
@@ -283,17 +343,40 @@ class ModelRunner:
         else:
             layer_metas = [metas[g] for g in self.layer_group]
             hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
+        pending_plp = self._launch_prompt_logprobs(hidden, *plp) if plp is not None else None
         if not row_ids:
-            return LaunchedStep([], None)
+            return LaunchedStep([], None, pending_plp)
         logits = self.model.compute_logits(hidden[logit_idx])
         if self.logits_hook is not None:
             self.logits_hook(row_ids, logits)
         pending = self.sampler.launch(logits, sample_rows)
         self._last_tokens, self._last_targets = pending.tokens, targets
-        return LaunchedStep(targets, pending)
+        return LaunchedStep(targets, pending, pending_plp)
+
+    def _launch_prompt_logprobs(self, hidden: torch.Tensor, entries: list[PromptLogprobRows],
+                                rows: torch.Tensor, targets: torch.Tensor) -> PendingPromptLogprobs:
+        """Score the step's prompt-logprob rows on the device (float32 log_softmax, one gather
+        for the prompt tokens, top-k with the largest k asked this step) and queue one copy of
+        the results to the host."""
+        vocab = self.cfg.vocab_size
+        assert vocab < 1 << 24, "token ids travel as float32"
+        top = min(max(e.k for e in entries), vocab)
+        res = prompt_logprobs(self.model.compute_logits, hidden[rows], targets, top, vocab)
+        out = PendingPromptLogprobs(entries, self.sampler._to_host(res), top)
+        if res.device.type == "cuda":
+            out.ready = torch.cuda.Event()
+            out.ready.record()
+        return out
 
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
         """Wait for a launched step's samples: a token for every sampling target."""
         if step.samples is None:
             return {}
         return dict(zip(step.targets, self.sampler.collect(step.samples)))
+
+    @staticmethod
+    def collect_prompt_logprobs(step: LaunchedStep) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """Wait for a launched step's prompt logprobs: per request id that asked for them and
+        had prompt rows in the step, (first prompt position scored, one {token: logprob} per
+        position). Positions start at 1: the first prompt token has no logprob."""
+        return step.prompt_logprobs.collect() if step.prompt_logprobs is not None else {}

@@ -1,6 +1,7 @@
 """Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded generators."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,67 @@ class PendingSamples:
     host_top_ids: torch.Tensor | None = None
     host_top_vals: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+
+
+@dataclass
+class PromptLogprobRows:
+    """Rows of one request's prefill chunk that score its prompt tokens ``first, first + 1,
+    ...`` (``token_ids``, each given the tokens before it), with the top ``k`` tokens' too."""
+
+    request_id: str
+    first: int
+    token_ids: list[int]
+    k: int
+
+
+@dataclass
+class PendingPromptLogprobs:
+    """A step's prompt logprobs on their way to the host: ``host`` is float32 ``[rows, 1 + 2K]``
+    (each prompt token's logprob, the top-K logprobs, then their token ids, exact in float32
+    below 2**24), valid once ``ready`` (a CUDA event; None on the CPU) has completed."""
+
+    entries: list[PromptLogprobRows]
+    host: torch.Tensor
+    top: int
+    ready: torch.cuda.Event | None = None
+
+    def collect(self) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """Wait for the copy; per request id, (its first prompt position, one dict per row:
+        the prompt token's logprob first, then the top-k, as vLLM orders them)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        rows, K, out, r = self.host.tolist(), self.top, {}, 0
+        for e in self.entries:
+            dicts = []
+            for tok, row in zip(e.token_ids, rows[r: r + len(e.token_ids)]):
+                d = {tok: row[0]}
+                for i, v in zip(row[1 + K: 1 + K + e.k], row[1: 1 + e.k]):
+                    d.setdefault(int(i), v)
+                dicts.append(d)
+            out[e.request_id] = (e.first, dicts)
+            r += len(e.token_ids)
+        return out
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    targets: torch.Tensor, top: int, vocab_size: int,
+                    max_elements: int = 1 << 25) -> torch.Tensor:
+    """Float32 ``[rows, 1 + 2 * top]``: per hidden row, ``log_softmax`` (float32) of its logits
+    at its target token, then the ``top`` largest logprobs and their token ids. One gather per
+    ``max_elements`` logits (128 MiB: a 262k vocabulary makes 128 rows at a time, SmolLM2's 682),
+    so a long prefill chunk never holds all its logits at once."""
+    n = hidden.shape[0]
+    out = torch.empty(n, 1 + 2 * top, dtype=torch.float32, device=hidden.device)
+    step = max(1, max_elements // vocab_size)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        logprobs = torch.log_softmax(compute_logits(hidden[a:b]).float(), dim=-1)
+        out[a:b, 0] = logprobs.gather(1, targets[a:b, None])[:, 0]
+        if top:
+            vals, ids = logprobs.topk(top, dim=-1)
+            out[a:b, 1: 1 + top] = vals
+            out[a:b, 1 + top:] = ids.float()
+    return out
 
 
 class Sampler:

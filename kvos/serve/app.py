@@ -1,6 +1,7 @@
 """The OpenAI-compatible FastAPI app."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import copy
@@ -11,22 +12,69 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvos.engine.chat import chat_prompt_ids, has_chat_template
+import kvos
+from kvos.engine.chat import chat_prompt_ids, has_chat_template, validate_messages
 from kvos.engine.llm_engine import LLMEngine
 from kvos.engine.sampling_params import SamplingParams
 from kvos.serve.async_engine import AsyncEngine, RequestStream
 from kvos.serve.errors import APIError, install_error_handlers
 from kvos.serve.metrics import ServerMetrics
-from kvos.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvos.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvos.serve.responses import (LogprobFormatter, chat_body, completion_body, finish_reason, sse,
-                                  usage)
+                                  system_fingerprint, usage)
 
 log = logging.getLogger("kvos.serve")
 
 WARMUP_PROMPTS = ["Hello", "The capital of France is"]
+
+def parse_allowed_origins(value: str) -> list[str]:
+    """``"https://a.example,https://b.example"`` or ``"*"`` -> the list CORSMiddleware takes."""
+    origins = [o.strip().rstrip("/") for o in value.split(",") if o.strip()]
+    for o in origins:
+        if o != "*" and not (o.startswith(("http://", "https://")) and "/" not in o.split("://", 1)[1]):
+            raise ValueError(f"{o!r} is not an origin like https://app.example (or *)")
+    return origins
+
+
+def allowed_origins_arg(value: str) -> list[str]:
+    """The ``--allowed-origins`` argparse type."""
+    try:
+        return parse_allowed_origins(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request went away; its requests were aborted."""
+
+
+class RequestIdMiddleware:
+    """Every response carries ``x-request-id``: the client's own (if sane) or a fresh one. Pure
+    ASGI, so streaming responses and disconnects pass through untouched."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        if not (0 < len(rid) <= 256 and all(0x21 <= b <= 0x7E for b in rid)):
+            rid = uuid.uuid4().hex.encode()
+        scope.setdefault("state", {})["request_id"] = rid.decode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class ServerState:
@@ -43,6 +91,15 @@ class ServerState:
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.ready = False
         self.draining = False
+        self.created = int(time.time())
+        self.max_model_len: int = engine.max_model_len
+        config = getattr(engine, "config", None)
+        self.fingerprint = system_fingerprint(kvos.__version__, getattr(getattr(engine, "kv", None), "model_id", model_name),
+                                              getattr(config, "dtype", None), getattr(config, "device", None))
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvos",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
 
     def _stats(self) -> dict:
         s = self.engine.stats()
@@ -51,7 +108,9 @@ class ServerState:
 
 
 def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = None,
-               max_waiting: int = 256, warmup: bool = True) -> FastAPI:
+               max_waiting: int = 256, warmup: bool = True, allowed_origins: list[str] | None = None) -> FastAPI:
+    """``allowed_origins``: turn CORS on for these origins (``["*"]``: any); off when None or
+    empty."""
     if engine.tokenizer is None:
         raise ValueError("model: serving needs a tokenizer; this random-weight model has none "
                          "(put tokenizer files beside its config.json)")
@@ -67,9 +126,17 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         task.cancel()
         state.async_engine.shutdown()
 
-    app = FastAPI(title="kvos", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvos", version=kvos.__version__, lifespan=lifespan)
     app.state.kvos = state
     install_error_handlers(app)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["x-request-id"], max_age=600)
+    app.add_middleware(RequestIdMiddleware)  # outermost: CORS preflights get an id too
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it
 
     @app.get("/health")
     async def health():
@@ -81,43 +148,85 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth(state))])
+    @app.get("/version")
+    async def version():
+        return {"version": kvos.__version__}
+
+    auth = [Depends(_auth(state))]
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's ``/tokenize``: the ids a prompt (or a chat) becomes, and the context length."""
+        _check_model(state, body.model)
+        if body.messages is not None:
+            ids = _chat_ids(state.tokenizer, _messages(body.messages), body.add_generation_prompt,
+                            bool(body.add_special_tokens))
+        else:
+            try:
+                ids = list(state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+                           .input_ids)
+            except Exception as e:  # e.g. lone surrogates
+                raise APIError(400, f"prompt cannot be tokenized ({type(e).__name__})", param="prompt") from e
+        out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(state, body.model)
+        vocab = engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: every id must be in [0, {vocab}), got {bad}", param="tokens")
+        try:
+            text = state.tokenizer.decode(body.tokens)
+        except Exception as e:  # an id the model has but the tokenizer lacks (padding rows)
+            raise APIError(400, f"tokens cannot be decoded ({type(e).__name__})", param="tokens") from e
+        return {"prompt": text}
+
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvos", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [state.model_card()]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(state, model_id)
+        return state.model_card()
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         _admit(state, body.model)
+        prompts = _pretokenize(state, body.prompts())
+        for p in prompts:
+            _check_length(state, p, body.max_tokens, "max_tokens")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await _submit_all(state, body.prompts(), params, rid, body.priority,
-                                    _salt(request, body.cache_salt))
+        streams = await _submit_all(state, prompts, params, rid, body.priority, _salt(request, body.cache_salt))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse_response(_completion_chunks(state, rid, streams, params.n, include_usage))
-        outs = await _collect(request, streams)
+            return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body)))
+        outs = await _collect(state, request, streams)
         _observe(state, streams)
-        return completion_body(rid, state.model_name, outs, params.n, state.logprobs)
+        return completion_body(rid, state.model_name, outs, params.n, state.logprobs, state.fingerprint)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _admit(state, body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = chat_prompt_ids(state.tokenizer, messages)
+        ids = chat_prompt_ids(state.tokenizer, _messages(body.messages))
+        _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
+                      "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         top_n = body.top_logprobs or 0
         params = body.sampling_params(body.effective_max_tokens(), body.effective_logprobs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, [{"prompt_token_ids": ids}], params, rid, body.priority,
                                     _salt(request, body.cache_salt))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse_response(_chat_chunks(state, rid, streams[0], include_usage, top_n))
-        outs = await _collect(request, streams)
+            return _sse_response(_chat_chunks(state, rid, streams[0], _UsageMode(body), top_n))
+        outs = await _collect(state, request, streams)
         _observe(state, streams)
-        return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n)
+        return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint)
 
     app.include_router(v1)
     return app
@@ -167,16 +276,68 @@ def _salt(request: Request, cache_salt: str | None) -> str | None:
     return f"{tenant}:{cache_salt or ''}"
 
 
-def _admit(state: ServerState, model: str | None) -> None:
-    if state.draining:
-        raise APIError(503, "server is shutting down", "service_unavailable", code="draining")
+def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{model}` does not exist (this server serves `{state.model_name}`)",
                        param="model", code="model_not_found")
+
+
+def _admit(state: ServerState, model: str | None) -> None:
+    if state.draining:
+        raise APIError(503, "server is shutting down", "service_unavailable", code="draining")
+    _check_model(state, model)
     if state.async_engine.num_pending >= state.max_waiting:
         state.metrics.rejected.labels("429").inc()
         raise APIError(429, f"too many waiting requests ({state.max_waiting}); retry later",
                        "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
+def _messages(messages) -> list[dict]:
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+    if not add_special_tokens:
+        return chat_prompt_ids(tokenizer, messages, add_generation_prompt)
+    if not has_chat_template(tokenizer):
+        chat_prompt_ids(tokenizer, messages)  # raises the "no chat template" error
+    try:
+        text = tokenizer.apply_chat_template(validate_messages(messages), add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+        return list(tokenizer(text, add_special_tokens=True).input_ids)
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"messages: cannot be rendered or tokenized ({type(e).__name__}: {e})") from e
+
+
+def _pretokenize(state: ServerState, prompts: list) -> list:
+    """Tokenize text prompts here, as the engine would, so their length is known before submitting
+    (and the engine thread does less). A prompt that fails is passed on as text: the engine's
+    error names what is wrong with it."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and p:
+            try:
+                ids = list(state.tokenizer(p).input_ids)
+            except Exception:
+                ids = []
+            if ids:
+                p = {"prompt": p, "prompt_token_ids": ids}
+        out.append(p)
+    return out
+
+
+def _check_length(state: ServerState, prompt, max_tokens: int | None, param: str) -> None:
+    """Prompt plus ``max_tokens`` must fit the context (OpenAI and vLLM refuse, never clamp). A
+    prompt alone too long is the engine's error (naming ``prompt``)."""
+    if max_tokens is None or not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+        return
+    n, limit = len(prompt["prompt_token_ids"]), state.max_model_len
+    if n < limit < n + max_tokens:
+        raise APIError(400, f"{param} is too large: the prompt is {n} tokens and {param} is {max_tokens}, "
+                            f"{n + max_tokens} in all, past this model's maximum context length of {limit} "
+                            f"tokens; ask for at most {limit - n}", param=param, code="context_length_exceeded")
 
 
 async def _submit_all(state: ServerState, prompts: list, params: SamplingParams, rid: str, priority: int,
@@ -192,21 +353,33 @@ async def _submit_all(state: ServerState, prompts: list, params: SamplingParams,
     return streams
 
 
-async def _collect(request: Request, streams: list[RequestStream]):
-    """Wait for every stream; abort them all if the client goes away first."""
+async def _collect(state: ServerState, request: Request, streams: list[RequestStream]):
+    """Wait for every stream; abort them all if the client goes away first (one log line, no
+    traceback: ``ClientDisconnected`` becomes a response nobody reads)."""
     work = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+    work.add_done_callback(_retrieve)
     try:
         while True:
             done, _ = await asyncio.wait({work}, timeout=0.5)
             if done:
                 return work.result()
             if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+                break
     finally:
         if not work.done():
             work.cancel()
             for s in streams:
                 await s.aclose()
+    _observe(state, streams)
+    log.info("client disconnected; aborted %s (x-request-id %s)", streams[0].request_id.rsplit("-", 1)[0],
+             request.scope.get("state", {}).get("request_id"))
+    raise ClientDisconnected
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a cancelled gather's outcome as seen (else asyncio logs "exception was never retrieved")."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _observe(state: ServerState, streams: list[RequestStream]) -> None:
@@ -256,9 +429,27 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, objec
             await s.aclose()
 
 
+class _UsageMode:
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and ``"usage": null``
+    on every other chunk, as OpenAI sends); ``continuous_usage_stats`` (vLLM) puts the usage so far
+    in every chunk."""
+
+    def __init__(self, body) -> None:
+        opts = body.stream_options
+        self.final = bool(opts and opts.include_usage)
+        self.continuous = bool(opts and opts.continuous_usage_stats)
+
+    def field(self, outs) -> dict:
+        if self.continuous:
+            return {"usage": usage(outs)}
+        return {"usage": None} if self.final else {}
+
+
 async def _completion_chunks(state: ServerState, rid: str, streams: list[RequestStream], n: int,
-                             include_usage: bool) -> AsyncIterator[str]:
+                             mode: _UsageMode) -> AsyncIterator[str]:
     created, model = int(time.time()), state.model_name
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": state.fingerprint}
     sent_text: dict[tuple[int, int], int] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
     finished: set[tuple[int, int]] = set()
@@ -280,20 +471,19 @@ async def _completion_chunks(state: ServerState, rid: str, streams: list[Request
                           "logprobs": state.logprobs.completion(c, k0, t0), "finish_reason": reason}
                 if reason is not None:
                     finished.add(key)
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [choice]})
-        if include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage([last[i] for i in sorted(last)])})
+                yield sse({**base, "choices": [choice], **mode.field([last[i] for i in sorted(last)])})
+        if mode.final:
+            yield sse({**base, "choices": [], "usage": usage([last[i] for i in sorted(last)])})
         yield sse("[DONE]")
     finally:
         _observe(state, streams)
 
 
-async def _chat_chunks(state: ServerState, rid: str, stream: RequestStream, include_usage: bool,
+async def _chat_chunks(state: ServerState, rid: str, stream: RequestStream, mode: _UsageMode,
                        top_n: int) -> AsyncIterator[str]:
     created, model = int(time.time()), state.model_name
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": state.fingerprint}
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
@@ -305,19 +495,19 @@ async def _chat_chunks(state: ServerState, rid: str, stream: RequestStream, incl
                 if c.index not in sent_text:
                     sent_text[c.index] = sent_tokens[c.index] = 0
                     yield sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
+                                                    "logprobs": None, "finish_reason": None}], **mode.field([out])})
                 t0, k0 = sent_text[c.index], sent_tokens[c.index]
                 delta, reason = c.text[t0:], finish_reason(c)
                 if delta or len(c.token_ids) > k0:
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     yield sse({**base, "choices": [{"index": c.index, "delta": {"content": delta},
                                                     "logprobs": state.logprobs.chat(c, k0, top_n),
-                                                    "finish_reason": None}]})
+                                                    "finish_reason": None}], **mode.field([out])})
                 if reason is not None:
                     finished.add(c.index)
                     yield sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
-                                                    "finish_reason": reason}]})
-        if include_usage and stream.last is not None:
+                                                    "finish_reason": reason}], **mode.field([out])})
+        if mode.final and stream.last is not None:
             yield sse({**base, "choices": [], "usage": usage([stream.last])})
         yield sse("[DONE]")
     finally:

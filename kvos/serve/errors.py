@@ -38,6 +38,8 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
+        if param is None and first.get("type") == "value_error":  # a model-level check names its field first
+            param = param_of_message(str(first.get("msg", "")).removeprefix("Value error, "))
         if first.get("type") == "json_invalid":
             return error_response(400, f"invalid JSON body: {first.get('msg')}", param=None, code="invalid_json")
         if first.get("type") == "extra_forbidden":
@@ -56,5 +58,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, str(e), param=param_of_message(str(e)))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception):
-        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
+    async def _internal(request: Request, e: Exception):
+        # runs outside the app's middleware (Starlette's ServerErrorMiddleware): set the request id here
+        rid = request.scope.get("state", {}).get("request_id")
+        return error_response(500, f"internal error: {type(e).__name__}", "internal_error",
+                              headers={"x-request-id": rid} if rid else None)

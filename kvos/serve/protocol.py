@@ -10,9 +10,15 @@ from kvos.engine.sampling_params import SamplingParams
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+SEED_DOMAIN = 1 << 63
+"""The engine's sampler seeds a generator with ``seed % 2**63``; the API takes any 64-bit signed
+integer (OpenAI's and vLLM's range) and maps it there the same way."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: cumulative usage in every chunk
 
 
 class _Common(BaseModel):
@@ -27,7 +33,7 @@ class _Common(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -45,13 +51,18 @@ class _Common(BaseModel):
             raise ValueError("stop: at most 4 non-empty strings")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty/frequency_penalty: only 0 is supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
         return self
+
+    def engine_seed(self) -> int | None:
+        return None if self.seed is None else self.seed % SEED_DOMAIN
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.seed,
+            top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.engine_seed(),
             max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
 
 
@@ -110,3 +121,29 @@ class ChatCompletionRequest(_Common):
 
     def effective_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: either ``prompt`` (``add_special_tokens`` defaults to true) or
+    ``messages`` rendered with the chat template (``add_special_tokens`` defaults to false: the
+    template holds them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: send exactly one of prompt (a string) or messages (a chat)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

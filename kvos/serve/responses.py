@@ -1,6 +1,7 @@
 """Build OpenAI response bodies and stream chunks from engine outputs."""
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -17,11 +18,18 @@ def finish_reason(c: CompletionOutput) -> str | None:
     return "length" if c.finish_reason == "length" else "stop"
 
 
+def system_fingerprint(*parts: object) -> str:
+    """OpenAI's ``system_fingerprint``: changes when the backend serving a model changes (here: the
+    kvos version, the model's content and the KV and weight dtypes)."""
+    return "fp_" + hashlib.sha256("|".join(map(str, parts)).encode("utf-8", "surrogatepass")).hexdigest()[:10]
+
+
 def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+            "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
 class LogprobFormatter:
@@ -59,15 +67,17 @@ class LogprobFormatter:
         return {"content": content}
 
 
-def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp: LogprobFormatter) -> dict:
+def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp: LogprobFormatter,
+                    fingerprint: str) -> dict:
     choices = [{"index": i * n + c.index, "text": c.text, "logprobs": lp.completion(c, 0, 0),
                 "finish_reason": finish_reason(c)} for i, o in enumerate(outs) for c in o.outputs]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(outs)}
+            "system_fingerprint": fingerprint, "choices": choices, "usage": usage(outs)}
 
 
-def chat_body(rid: str, model: str, out: RequestOutput, lp: LogprobFormatter, top_n: int) -> dict:
+def chat_body(rid: str, model: str, out: RequestOutput, lp: LogprobFormatter, top_n: int,
+              fingerprint: str) -> dict:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": lp.chat(c, 0, top_n), "finish_reason": finish_reason(c)} for c in out.outputs]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage([out])}
+            "system_fingerprint": fingerprint, "choices": choices, "usage": usage([out])}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvos.cache.spec import DTYPE_BYTES, FullAttentionSpec
+from kvos.cache.spec import FullAttentionSpec
 
 GIB = 1 << 30
 
@@ -26,9 +26,9 @@ GPUS = {g.name: g for g in [
 ]}
 
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-KV_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int8": "int8"}
+KV_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
+             "int8": "int8"}
 """The planner's KV dtype names and the cache's (``kvos.cache.spec.DTYPE_BYTES``) for each."""
-KV_BYTES = {name: DTYPE_BYTES[spec] for name, spec in KV_DTYPES.items()}
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:

@@ -7,6 +7,7 @@ import json
 EXAMPLES = """examples:
   kvos plan --model llama-3-70b --gpu H100-80G --weight-dtype fp16 --context-len 8192 --num-requests 32
   kvos plan --model llama-3.1-8b --gpu H100-80G --kv-dtype fp8 --context-len 32768 --json
+  kvos plan --model llama-3.1-8b --kv-dtype fp8 --kv-cache-memory-bytes 60000000000  # an engine's pool
   kvos plan --model path/to/config.json --gpu L4 --weight-dtype int4 --tensor-parallel 2
   kvos plan --model model.gguf --gpu-memory-gib 48 --gpu-bandwidth-tbs 0.96 --gpu-tflops 181
   kvos plan --model gemma-3-270m --gpu L4 --context-len 8192 --length-dist 256:8192
@@ -34,6 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="the KV pool's size, as given to the engine (default: estimated from the GPU)")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -54,7 +57,8 @@ def run(a: argparse.Namespace) -> int:
         context, mean = hi, (lo + hi) / 2
     inp = PlanInput(resolve_shape(a.model), resolve_gpu(a.gpu, a.gpu_memory_gib, a.gpu_bandwidth_tbs, a.gpu_tflops),
                     a.weight_dtype, a.kv_dtype, context, a.output_len, mean, a.num_requests,
-                    a.gpu_memory_utilization, a.block_size, a.tensor_parallel)
+                    a.gpu_memory_utilization, a.block_size, a.tensor_parallel,
+                    kv_cache_memory_bytes=a.kv_cache_memory_bytes)
     result = plan(inp)
     print(json.dumps(result, indent=2) if a.json else format_plan(result))
     return 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvos.cache.full_attention import cdiv
 from kvos.cache.layout import LAYOUTS, CacheLayout, build_layout
 from kvos.cache.spec import KVCacheSpec
-from kvos.sim.hardware import GIB, GPU, KV_BYTES, KV_DTYPES, WEIGHT_BYTES, kv_bytes_per_token
+from kvos.sim.hardware import GIB, GPU, KV_DTYPES, WEIGHT_BYTES, kv_bytes_per_token
 from kvos.sim.shapes import ModelShape
 
 LAYOUT_ORDER = ("homogeneous", "equal_pages", "unified")
@@ -33,12 +33,13 @@ class PlanInput:
     tensor_parallel: int = 1
     max_num_batched_tokens: int = 8192
     step_overhead_s: float = 0.0
+    kv_cache_memory_bytes: int | None = None  # the KV pool's bytes, as the engine's option (default: estimated)
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_BYTES:
             raise ValueError(f"weight_dtype must be one of {sorted(WEIGHT_BYTES)}, got {self.weight_dtype!r}")
-        if self.kv_dtype not in KV_BYTES:
-            raise ValueError(f"kv_dtype must be one of {sorted(KV_BYTES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("context_len", "num_requests", "block_size", "tensor_parallel"):
@@ -147,7 +148,7 @@ def plan(p: PlanInput) -> dict:
     act = int(p.max_num_batched_tokens * (4 * s.hidden_size + 2 * s.intermediate_size // tp) * 2
               + 256 * s.vocab_size * 4 // tp)
     budget = int(g.memory_bytes * p.gpu_memory_utilization)
-    kv_memory = max(0, budget - weights - act)
+    kv_memory = max(0, budget - weights - act) if p.kv_cache_memory_bytes is None else p.kv_cache_memory_bytes
     per_req_exact = kv_bytes_for_len(s, per_layer, total_len, None)
     contiguous_req = per_layer * s.num_layers * total_len  # Era 1: max length, every layer
     layouts = None

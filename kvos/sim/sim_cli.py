@@ -104,14 +104,14 @@ def load_workload(a: argparse.Namespace):
 
 def build(a: argparse.Namespace):
     from kvos.sim.cost_model import CostModel
-    from kvos.sim.hardware import KV_BYTES, kv_bytes_per_token, resolve_gpu
+    from kvos.sim.hardware import KV_DTYPES, kv_bytes_per_token, resolve_gpu
     from kvos.sim.planner import model_layout
     from kvos.sim.shapes import resolve_shape
     from kvos.sim.simulator import SimConfig
 
     shape = resolve_shape(a.model)
-    if a.kv_dtype not in KV_BYTES:
-        raise ValueError(f"kv_dtype must be one of {sorted(KV_BYTES)}, got {a.kv_dtype!r}")
+    if a.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {a.kv_dtype!r}")
     if a.block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {a.block_size}")
     cost = CostModel.for_model(shape, resolve_gpu(a.gpu), a.weight_dtype, a.kv_dtype, a.tensor_parallel)

@@ -1,0 +1,180 @@
+"""Quantized KV (fp8_e4m3, int8) on the CPU path: the format against float64, the pool's bytes
+against the planner, and the real engine (SmolLM2) through prefix hits, preemption and tiers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvos import SamplingParams
+from kvos.model.kv_quant import QMAX, dequantize, quantize
+from tests.redis_server import RedisServer
+
+DTYPES = ("fp8_e4m3", "int8")
+SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+EASY = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
+        "Who wrote Romeo and Juliet?", "How many days are in a week?",
+        "What is the boiling point of water in Celsius?"]
+SYSTEM = "You are a helpful assistant who explains operating-system memory management. " * 6
+
+
+def rows() -> torch.Tensor:
+    """Rows of very different magnitudes: tiny, unit, large, one outlier, all zeros."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, 64, generator=g, dtype=torch.float64)
+    x *= torch.logspace(-4, 3, 64, dtype=torch.float64)[:, None, None]
+    x[5, 1, 7] = 900.0
+    x[9, 2] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_round_trip_error_is_within_the_format_bound(kv_dtype):
+    x = rows()
+    q, scale = quantize(x.float(), kv_dtype)
+    amax = x.abs().amax(-1)
+    assert torch.allclose(scale.double(), amax / QMAX[kv_dtype], rtol=1e-6, atol=0)
+    nonzero = amax > 0
+    assert torch.equal(q.float().abs().amax(-1)[nonzero], torch.full_like(amax[nonzero], QMAX[kv_dtype]).float())
+    err = (dequantize(q, scale, torch.float64) - x).abs()
+    s = scale.double()[..., None]
+    if kv_dtype == "int8":
+        bound = s / 2
+    else:  # 3 mantissa bits: half an ulp is 2**-4 of the value; subnormals below 2**-6 * scale
+        bound = torch.maximum(x.abs() * 2.0**-4, s * 2.0**-10)
+    assert (err <= bound * (1 + 1e-5) + 1e-12).all(), (err - bound).max()
+    assert torch.equal(dequantize(q[9, 2], scale[9, 2], torch.float64), x[9, 2])  # zeros stay zeros
+
+
+def test_pool_bytes_match_the_planner_and_hold_more_tokens(make_llm):
+    """For the same KV memory, the engine's pool has exactly the planner's blocks, and 8-bit KV
+    with its scales holds (head_dim * 4) / (head_dim + 4) times float32's tokens."""
+    from kvos.model.loader import default_model_path
+    from kvos.sim.hardware import resolve_gpu
+    from kvos.sim.planner import PlanInput, plan
+    from kvos.sim.shapes import resolve_shape
+
+    memory = 48 << 20
+    shape = resolve_shape(str(default_model_path()))
+    pages = {}
+    for kv_dtype, plan_name in (("auto", "fp32"), ("fp8_e4m3", "fp8"), ("int8", "int8")):
+        engine = make_llm(kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=memory).engine
+        p = plan(PlanInput(shape, resolve_gpu(None), kv_dtype=plan_name, kv_cache_memory_bytes=memory))
+        assert engine.kv.pages.num_pages == p["num_blocks"] and engine.layout.large_page_bytes == p["page_bytes"]
+        pages[kv_dtype] = engine.kv.pages.num_pages
+        spec = engine.layout.groups[0].spec
+        assert spec.page_bytes == 16 * 2 * 30 * 3 * {"auto": 64 * 4, "fp8_e4m3": 64 + 4, "int8": 64 + 4}[kv_dtype]
+    assert pages["fp8_e4m3"] == pages["int8"] == memory // (16 * 2 * 30 * 3 * 68)
+    assert pages["fp8_e4m3"] / pages["auto"] == pytest.approx(256 / 68, rel=1e-2)
+
+
+@pytest.fixture(scope="module")
+def quant_llms(make_llm):
+    return {d: make_llm(kv_cache_dtype=d, kv_cache_memory_bytes=128 << 20) for d in ("auto", *DTYPES)}
+
+
+def chat(llm, questions, sp=SP, system: str | None = None):
+    pre = [{"role": "system", "content": system}] if system else []
+    outs = llm.chat([pre + [{"role": "user", "content": q}] for q in questions], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_quantized_greedy_matches_the_model_dtype_on_easy_prompts(quant_llms, kv_dtype):
+    ref = chat(quant_llms["auto"], EASY)
+    got = chat(quant_llms[kv_dtype], EASY)
+    assert [g[:8] for g in got] == [r[:8] for r in ref]
+    assert quant_llms[kv_dtype].engine.runner.kv_layers[0].k.dtype == {"fp8_e4m3": torch.float8_e4m3fn,
+                                                                        "int8": torch.int8}[kv_dtype]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_prefix_hits_and_preemption_keep_quantized_outputs(make_llm, quant_llms, kv_dtype):
+    """A request served from cached quantized blocks gives the tokens of the same engine without
+    prefix caching. Requests preempted (recompute and swap) in a pool too small for all of them
+    run in other batch shapes than without pressure (and recomputed ones rebuild their K/V in a
+    prefill): float32 results that differ in the last bit may round to another 8-bit value, so
+    late tokens at a near-tie may differ; the first 12 of each must not, nor more than a tenth of
+    all, and the pool must end empty."""
+    uncached = make_llm(kv_cache_dtype=kv_dtype, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+    ref = chat(uncached, EASY[:3], system=SYSTEM)
+    llm = quant_llms[kv_dtype]
+    first = chat(llm, EASY[:1], system=SYSTEM)
+    outs = llm.chat([[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in EASY[:3]],
+                    SP, use_tqdm=False)
+    assert first == ref[:1] and [o.outputs[0].token_ids for o in outs] == ref
+    assert all(o.num_cached_tokens >= 64 for o in outs)
+    long_sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = chat(uncached, EASY, long_sp)
+    for mode in ("recompute", "swap"):
+        small = make_llm(kv_cache_dtype=kv_dtype, num_blocks=10, preemption_mode=mode, enable_prefix_caching=False)
+        got = chat(small, EASY, long_sp)
+        assert [g[:12] for g in got] == [r[:12] for r in ref]
+        assert sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) >= 0.9 * 48 * len(EASY)
+        stats = small.stats()
+        assert stats["preemptions"] > 0 and stats["used"] == 0
+        if mode == "swap":
+            assert stats["swapped_in_blocks"] == stats["swapped_out_blocks"] > 0
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    r = RedisServer()
+    yield r
+    r.stop()
+
+
+@pytest.mark.parametrize("tier", ["disk", "remote"])
+def test_tiers_return_quantized_blocks_only_to_their_own_dtype(make_llm, tmp_path, redis_server, tier):
+    """fp8 blocks stored in a tier come back to a new fp8 engine (same tokens as without the
+    tier); engines of int8 and of the model's dtype on the same tier never get them."""
+    kw = {"disk": dict(disk_cache_dir=str(tmp_path)), "remote": dict(remote_cache=redis_server.url)}[tier]
+    ref = chat(make_llm(kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20),
+               EASY[:2], system=SYSTEM)
+    first = make_llm(kv_cache_dtype="fp8_e4m3", num_blocks=32, **kw)
+    assert chat(first, EASY[:2], system=SYSTEM) == ref
+    first.engine.offload.close()
+    for kv_dtype in ("int8", "auto"):
+        other = make_llm(kv_cache_dtype=kv_dtype, num_blocks=32, **kw)
+        o = other.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": EASY[0]}], SP,
+                       use_tqdm=False)[0]
+        assert o.metrics["cached_tokens_by_source"].get(tier, 0) == 0
+        other.engine.offload.close()
+    second = make_llm(kv_cache_dtype="fp8_e4m3", num_blocks=32, **kw)
+    outs = second.chat([[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in EASY[:2]],
+                       SP, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[0].metrics["cached_tokens_by_source"].get(tier, 0) >= 64
+    second.engine.offload.close()
+
+
+def test_block_rows_of_another_size_are_refused(quant_llms):
+    fp8, auto = quant_llms["fp8_e4m3"].engine.runner, quant_llms["auto"].engine.runner
+    rows = auto.read_blocks([1])
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8.write_blocks([1], rows)
+    assert fp8.read_blocks([1, 2]).shape == (2, fp8.layout.groups[0].spec.page_bytes)
+
+
+def test_hybrid_pool_reuse_gives_finite_quantized_attention(gemma_path):
+    """Gemma 3 270M with fp8 KV in the unified pool: large pages move between the full and the
+    sliding group, so a fresh block holds another group's bytes, which read as fp8 or float32
+    scales may be NaN or inf. Slots past a sequence's length must never reach the result: every
+    logit stays finite and the tokens are those of a pool that was never reused."""
+    from kvos import LLM
+    from tests.prompts import LONG_DOC
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [LONG_DOC[: 400 * (i + 1)] for i in range(3)]
+    fresh = [LLM(model=str(gemma_path), kv_cache_dtype="fp8_e4m3", kv_cache_memory_bytes=64 << 20,
+                 enable_prefix_caching=False).generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts[:1]]
+    llm = LLM(model=str(gemma_path), kv_cache_dtype="fp8_e4m3", kv_cache_memory_bytes=8 << 20, max_num_seqs=2,
+              enable_prefix_caching=False)
+    buf = llm.engine.runner.kv_buffer
+    page = llm.engine.layout.large_page_bytes  # page 0 holds the null blocks, never written
+    buf[page:].fill_(0x7F)  # every stale byte reads as NaN (fp8) or NaN (float32)
+    bad: list[str] = []
+    llm.engine.runner.logits_hook = lambda ids, rows: bad.extend(i for i, r in zip(ids, rows) if not r.isfinite().all())
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert not bad
+    assert outs[0].outputs[0].token_ids == fresh[0]

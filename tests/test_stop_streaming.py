@@ -1,0 +1,82 @@
+"""Stop strings that span several tokens: streamed text equals the final text, whatever the
+split point (the engine holds back text that could still become a stop string), through the
+engine and through the real server with the ``openai`` client."""
+from __future__ import annotations
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvos import SamplingParams
+from tests.server import Server
+
+PROMPT = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def reference_text(llm):
+    out = llm.chat(PROMPT, SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True), use_tqdm=False)
+    text = out[0].outputs[0].text
+    assert len(text) > 60
+    return text
+
+
+def stream(llm, stop: list[str], include: bool = False) -> tuple[list[str], str, str | None]:
+    """Drive the engine step by step: every intermediate text, the final text, the stop reason."""
+    eng = llm.engine
+    rid = eng.add_request({"prompt_token_ids": llm.chat_token_ids(PROMPT)},
+                          SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True, stop=stop,
+                                         include_stop_str_in_output=include))
+    texts, final = [], None
+    while final is None:
+        for o in eng.step():
+            if o.request_id == rid:
+                texts.append(o.outputs[0].text)
+                if o.finished:
+                    final = o.outputs[0]
+    return texts, final.text, final.stop_reason
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(start=st.integers(0, 10_000), length=st.integers(2, 12), include=st.booleans())
+def test_streamed_text_is_never_revised_and_equals_the_final_text(llm, reference_text, start, length, include):
+    start %= len(reference_text) - length
+    stop = reference_text[start: start + length]
+    texts, final, reason = stream(llm, [stop], include)
+    for a, b in zip(texts, texts[1:]):
+        assert b.startswith(a), (a, b)  # a delta is never taken back
+    assert texts[-1] == final
+    cut = reference_text.find(stop)
+    assert reason == stop
+    assert final == reference_text[: cut + (len(stop) if include else 0)]
+    for t in texts[:-1]:  # nothing of the stop string leaks before the end
+        assert len(t) <= cut
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-model-len", "512").wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streaming_equals_non_streaming_through_the_server(server, reference_text, endpoint):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    words = reference_text.split()
+    stop = [" ".join(words[3:5])[:-1]]  # ends mid-word: several tokens, the last one partial
+    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=N_TOKENS, temperature=0, stop=stop)
+    if endpoint == "chat":
+        full = client.chat.completions.create(messages=PROMPT, **kw).choices[0].message.content
+        parts = [c.choices[0].delta.content or "" for c in
+                 client.chat.completions.create(messages=PROMPT, stream=True, **kw) if c.choices]
+    else:
+        prompt = "The story of the lighthouse keeper began"
+        full = client.completions.create(prompt=prompt, **kw).choices[0].text
+        parts = [c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **kw)
+                 if c.choices]
+    assert "".join(parts) == full
+    if endpoint == "chat":
+        assert full == reference_text[: reference_text.find(stop[0])]
