@@ -78,7 +78,8 @@ def sampling_params(a: argparse.Namespace):
 
 def format_stats(stats: dict) -> str:
     lines = ["KV cache:",
-             f"  blocks     {stats['total']} x {stats['block_size']} tokens ({stats['page_bytes']} B each): "
+             f"  blocks     {stats['total']} x {stats['block_size']} tokens ({stats['page_bytes']} B each, "
+             f"{stats.get('kv_cache_dtype', '?')}): "
              f"used {stats['used']}, cached {stats['cached']}, free {stats['free']} (usage {stats['kv_usage']:.1%})",
              f"  prefix     {stats['prefix_hits_tokens']} of {stats['prefix_queries_tokens']} prompt tokens hit "
              f"({stats['prefix_hit_rate']:.1%})",

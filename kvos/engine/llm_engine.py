@@ -298,7 +298,7 @@ class LLMEngine:
 
     # -- observability -------------------------------------------------------------------
     def stats(self) -> dict:
-        s = {**self.kv.stats(), "num_blocks": self.kv.pages.num_pages,
+        s = {**self.kv.stats(), "num_blocks": self.kv.pages.num_pages, "kv_cache_dtype": self.kv_cache_dtype,
              "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting(),
              "loading": len(self.scheduler.loading)}
         if self.offload is not None:
