@@ -105,7 +105,7 @@ def test_prefix_hits_and_preemption_keep_quantized_outputs(make_llm, quant_llms,
     assert all(o.num_cached_tokens >= 64 for o in outs)
     long_sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     ref = chat(uncached, EASY, long_sp)
-    for mode in ("recompute", "swap"):
+    for mode in (("recompute",) if kv_dtype == "fp8_e4m3" else ("swap",)):  # one mode per dtype: time
         small = make_llm(kv_cache_dtype=kv_dtype, num_blocks=10, preemption_mode=mode, enable_prefix_caching=False)
         got = chat(small, EASY, long_sp)
         assert [g[:12] for g in got] == [r[:12] for r in ref]
@@ -165,11 +165,10 @@ def test_hybrid_pool_reuse_gives_finite_quantized_attention(gemma_path):
 
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [LONG_DOC[: 400 * (i + 1)] for i in range(3)]
-    fresh = [LLM(model=str(gemma_path), kv_cache_dtype="fp8_e4m3", kv_cache_memory_bytes=64 << 20,
-                 enable_prefix_caching=False).generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
-             for p in prompts[:1]]
     llm = LLM(model=str(gemma_path), kv_cache_dtype="fp8_e4m3", kv_cache_memory_bytes=8 << 20, max_num_seqs=2,
               enable_prefix_caching=False)
+    fresh = llm.generate(prompts[:1], sp, use_tqdm=False)[0].outputs[0].token_ids  # a zeroed pool
+    assert llm.stats()["used"] == 0
     buf = llm.engine.runner.kv_buffer
     page = llm.engine.layout.large_page_bytes  # page 0 holds the null blocks, never written
     buf[page:].fill_(0x7F)  # every stale byte reads as NaN (fp8) or NaN (float32)
@@ -177,4 +176,4 @@ def test_hybrid_pool_reuse_gives_finite_quantized_attention(gemma_path):
     llm.engine.runner.logits_hook = lambda ids, rows: bad.extend(i for i, r in zip(ids, rows) if not r.isfinite().all())
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert not bad
-    assert outs[0].outputs[0].token_ids == fresh[0]
+    assert outs[0].outputs[0].token_ids == fresh

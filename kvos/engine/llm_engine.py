@@ -160,7 +160,7 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0,
                     cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
-        params.validate()
+        params.validate(self.model_config.vocab_size)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):

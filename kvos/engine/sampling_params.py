@@ -12,7 +12,14 @@ class SamplingParams:
     request's samples reproducible whatever else shares its batch. ``prompt_logprobs=k`` returns,
     for every prompt token after the first, its logprob given the tokens before it plus the
     top-``k`` tokens' (``RequestOutput.prompt_logprobs``); such a request computes its whole
-    prompt (it takes no prefix-cache hits). Invalid values raise ``ValueError`` naming the field.
+    prompt (it takes no prefix-cache hits). ``presence_penalty`` and ``frequency_penalty``
+    (OpenAI's, in [-2, 2]) subtract ``presence * (count > 0) + frequency * count`` from each
+    token's logit, counting the sequence's generated tokens; ``repetition_penalty`` (vLLM's and
+    HF's, > 0) divides the positive logits of tokens seen in the prompt or the output by it and
+    multiplies the negative ones; ``logit_bias`` maps token ids to a bias in [-100, 100] added
+    to their logits. While fewer than ``min_tokens`` tokens are generated, EOS (unless
+    ``ignore_eos``) and ``stop_token_ids`` cannot be sampled. Invalid values raise
+    ``ValueError`` naming the field.
     """
 
     n: int = 1
@@ -30,6 +37,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -45,7 +56,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
+    @property
+    def needs_history(self) -> bool:
+        """True when sampling depends on the sequence's tokens (penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the sampler must change this request's logits before sampling (penalties,
+        logit bias, or ``min_tokens``' ban on stop tokens)."""
+        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
@@ -77,3 +99,20 @@ class SamplingParams:
                                                  or isinstance(self.prompt_logprobs, bool)
                                                  or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", "must be an integer >= 0 or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2 <= v <= 2:
+                raise bad(name, "must be a number in [-2, 2]")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
+            raise bad("repetition_penalty", "must be a number > 0")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise bad("logit_bias", "must have non-negative integer token ids as keys")
+                if vocab_size is not None and t >= vocab_size:
+                    raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
+                if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
+                    raise bad("logit_bias", "must have biases in [-100, 100]")

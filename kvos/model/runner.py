@@ -236,6 +236,27 @@ class ModelRunner:
             self._generators[req.request_id] = gen
         return gen
 
+    @staticmethod
+    def _history(sr: SampleRow, target, last_rows: dict[str, int]) -> None:
+        """What the sampler needs to adjust ``target``'s logits: its generated tokens (the one
+        the previous step sampled, not yet delivered with async scheduling, read on the device),
+        its prompt (repetition penalty), and its banned stop tokens before ``min_tokens``."""
+        sp = target.sampling_params
+        prev = target.num_pending - 1  # this step's sample is already counted as pending
+        if prev > 1 or (prev == 1 and target.request_id not in last_rows):
+            raise RuntimeError(f"request {target.request_id}: {prev} generated tokens are pending "
+                               f"but the previous step sampled at most one")
+        if sp.needs_history:
+            sr.output_ids = target.output_token_ids
+            sr.pending_src = last_rows[target.request_id] if prev == 1 else -1
+            if sp.repetition_penalty != 1.0:
+                sr.prompt_ids = target.prompt_token_ids
+        if len(target.output_token_ids) + prev + 1 < sp.min_tokens:
+            ban = list(sp.stop_token_ids or ())
+            if not sp.ignore_eos:
+                ban.extend(target.eos_token_ids)
+            sr.ban_ids = ban or None
+
     def _prepare(self, out: SchedulerOutput):
         seqs = sorted(out.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         bs = self.block_size
@@ -281,7 +302,12 @@ class ModelRunner:
                 logit_rows.append(t - 1)
                 row_ids.append(s.request.request_id)
                 for target in s.samplers:
-                    sample_rows.append(SampleRow(row, target.sampling_params, self._generator(target)))
+                    sr = SampleRow(row, target.sampling_params, self._generator(target))
+                    if target.sampling_params.adjusts_logits:
+                        if last_rows is None:
+                            last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
+                        self._history(sr, target, last_rows)
+                    sample_rows.append(sr)
                     targets.append(target.request_id)
         ends = np.cumsum(qlens)
         positions = np.arange(ends[-1]) - np.repeat(ends - qlens - starts, qlens)
@@ -349,7 +375,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logit_idx])
         if self.logits_hook is not None:
             self.logits_hook(row_ids, logits)
-        pending = self.sampler.launch(logits, sample_rows)
+        pending = self.sampler.launch(logits, sample_rows, self._last_tokens)
         self._last_tokens, self._last_targets = pending.tokens, targets
         return LaunchedStep(targets, pending, pending_plp)
 

@@ -1,9 +1,11 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded generators."""
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded generators;
+penalties, logit bias and the min_tokens ban adjust the logits first."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvos.engine.sampling_params import SamplingParams
@@ -12,11 +14,22 @@ from kvos.model.transfer import to_device
 
 @dataclass
 class SampleRow:
-    """One sequence to sample from logits row ``row``. ``generator`` is set for seeded requests."""
+    """One sequence to sample from logits row ``row``. ``generator`` is set for seeded requests.
+
+    Set only for requests whose params adjust the logits (``SamplingParams.adjusts_logits``):
+    ``output_ids``, the generated tokens known to the host, and ``pending_src``, the row of the
+    previous launch's device tokens holding one more generated token (-1: none), for penalties;
+    ``prompt_ids`` for the repetition penalty; ``ban_ids``, tokens that cannot be sampled
+    (EOS and stop tokens before ``min_tokens``).
+    """
 
     row: int
     params: SamplingParams
     generator: torch.Generator | None = None
+    output_ids: list[int] | None = None
+    prompt_ids: list[int] | None = None
+    pending_src: int = -1
+    ban_ids: list[int] | None = None
 
 
 @dataclass
@@ -105,19 +118,108 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidd
     return out
 
 
+def _adjusts(r: SampleRow) -> bool:
+    sp = r.params
+    return bool(r.ban_ids or sp.logit_bias or sp.needs_history)
+
+
+def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
+                  prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """A new float32 tensor: ``logits`` (one row per entry of ``rows``) with each row's logit
+    bias added, its banned tokens at -inf, then its repetition, frequency and presence
+    penalties applied (vLLM's order). Batched: one host-to-device copy of the index lists, one
+    scatter per kind, a few elementwise ops over the rows that ask for them."""
+    dev = logits.device
+    sel = [i for i, r in enumerate(rows) if _adjusts(r)]
+    x = logits[to_device(sel, torch.long, dev)] if len(sel) < len(rows) else logits.clone()
+    R, V = x.shape
+    pen_rows, bias_rows, bias_ids, bias_vals, ban_rows, ban_ids = [], [], [], [], [], []
+    out_rows, out_ids, prm_rows, prm_ids, pend_rows, pend_src = [], [], [], [], [], []
+    freq, pres, rep = [], [], []
+    for j, i in enumerate(sel):
+        r, sp = rows[i], rows[i].params
+        if sp.logit_bias:
+            bias_rows.extend([j] * len(sp.logit_bias))
+            bias_ids.extend(sp.logit_bias)
+            bias_vals.extend(sp.logit_bias.values())
+        if r.ban_ids:
+            ban = [t for t in r.ban_ids if t < V]  # a stop token id past the vocabulary is never sampled
+            ban_rows.extend([j] * len(ban))
+            ban_ids.extend(ban)
+        if sp.needs_history:
+            k = len(pen_rows)
+            pen_rows.append(j)
+            freq.append(float(sp.frequency_penalty))
+            pres.append(float(sp.presence_penalty))
+            rep.append(float(sp.repetition_penalty))
+            outs = r.output_ids or []
+            out_rows.extend([k] * len(outs))
+            out_ids.extend(outs)
+            if r.pending_src >= 0:
+                pend_rows.append(k)
+                pend_src.append(r.pending_src)
+            if sp.repetition_penalty != 1.0 and r.prompt_ids:
+                prm_rows.extend([k] * len(r.prompt_ids))
+                prm_ids.extend(r.prompt_ids)
+    lists = [bias_rows, bias_ids, ban_rows, ban_ids, pen_rows, out_rows, out_ids, prm_rows, prm_ids,
+             pend_rows, pend_src]
+    packed = to_device(np.concatenate([np.asarray(v, np.int64) for v in lists]), torch.long, dev)
+    parts, o = [], 0
+    for v in lists:
+        parts.append(packed[o: o + len(v)])
+        o += len(v)
+    (t_bias_rows, t_bias_ids, t_ban_rows, t_ban_ids, t_pen_rows, t_out_rows, t_out_ids, t_prm_rows,
+     t_prm_ids, t_pend_rows, t_pend_src) = parts
+    if bias_rows:
+        x.index_put_((t_bias_rows, t_bias_ids), to_device(bias_vals, torch.float32, dev), accumulate=True)
+    if ban_rows:
+        x.index_put_((t_ban_rows, t_ban_ids), torch.full((len(ban_rows),), float("-inf"), device=dev))
+    if pen_rows:
+        P = len(pen_rows)
+        counts = torch.zeros(P, V, dtype=torch.float32, device=dev)
+        if out_rows:
+            counts.index_put_((t_out_rows, t_out_ids), torch.ones((), device=dev).expand(len(out_rows)),
+                              accumulate=True)
+        if pend_rows:
+            assert prev_tokens is not None, "a pending token needs the previous launch's tokens"
+            counts.index_put_((t_pend_rows, prev_tokens.index_select(0, t_pend_src)),
+                              torch.ones((), device=dev).expand(len(pend_rows)), accumulate=True)
+        y = x.index_select(0, t_pen_rows)
+        if any(p != 1.0 for p in rep):
+            seen = counts > 0
+            if prm_rows:
+                seen = seen.index_put((t_prm_rows, t_prm_ids), torch.ones((), dtype=torch.bool, device=dev))
+            p = to_device(rep, torch.float32, dev)[:, None]
+            y = torch.where(seen, torch.where(y > 0, y / p, y * p), y)
+        if any(freq) or any(pres):
+            f = to_device(freq, torch.float32, dev)[:, None]
+            pr = to_device(pres, torch.float32, dev)[:, None]
+            y = y - f * counts - pr * (counts > 0).float()
+        x.index_copy_(0, t_pen_rows, y)
+    if len(sel) < len(rows):
+        return logits.index_copy(0, to_device(sel, torch.long, dev), x)
+    return x
+
+
 class Sampler:
     """Samples each row independently; a seeded row's draws depend only on its own generator,
     so its output does not change with batch composition. ``launch`` only queues device work
     (no host synchronisation); ``collect`` waits for the results."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-        return self.collect(self.launch(logits, rows))
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 prev_tokens: torch.Tensor | None = None) -> list[SampledToken]:
+        return self.collect(self.launch(logits, rows, prev_tokens))
 
-    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSamples:
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow],
+               prev_tokens: torch.Tensor | None = None) -> PendingSamples:
+        """``prev_tokens``: the previous launch's device tokens, read by rows with a
+        ``pending_src``."""
         dev = logits.device
         if [r.row for r in rows] != list(range(logits.shape[0])):
             logits = logits[to_device([r.row for r in rows], torch.long, dev)]
         logits = logits.float()
+        if any(_adjusts(r) for r in rows):
+            logits = adjust_logits(logits, rows, prev_tokens)
         tokens = logits.argmax(dim=-1)
         greedy = [r.params.greedy for r in rows]
         if not all(greedy):

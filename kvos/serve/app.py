@@ -24,8 +24,8 @@ from kvos.serve.async_engine import AsyncEngine, RequestStream
 from kvos.serve.errors import APIError, install_error_handlers
 from kvos.serve.metrics import ServerMetrics
 from kvos.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from kvos.serve.responses import (LogprobFormatter, chat_body, completion_body, finish_reason, sse,
-                                  system_fingerprint, usage)
+from kvos.serve.responses import (LogprobFormatter, chat_body, completion_body, finish_reason, prompt_text,
+                                  sse, system_fingerprint, usage)
 
 log = logging.getLogger("kvos.serve")
 
@@ -206,10 +206,11 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, prompts, params, rid, body.priority, _salt(request, body.cache_salt))
         if body.stream:
-            return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body)))
+            return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body), body.echo))
         outs = await _collect(state, request, streams)
         _observe(state, streams)
-        return completion_body(rid, state.model_name, outs, params.n, state.logprobs, state.fingerprint)
+        return completion_body(rid, state.model_name, outs, params.n, state.logprobs, state.fingerprint,
+                               body.echo)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -293,7 +294,10 @@ def _admit(state: ServerState, model: str | None) -> None:
 
 
 def _messages(messages) -> list[dict]:
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """The messages as the chat template takes them (a ``name`` is passed on; most templates
+    ignore it)."""
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+            for m in messages]
 
 
 def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
@@ -446,7 +450,9 @@ class _UsageMode:
 
 
 async def _completion_chunks(state: ServerState, rid: str, streams: list[RequestStream], n: int,
-                             mode: _UsageMode) -> AsyncIterator[str]:
+                             mode: _UsageMode, echo: bool = False) -> AsyncIterator[str]:
+    """With ``echo`` a choice's first chunk starts with the prompt's text; with prompt logprobs
+    it carries them (vLLM)."""
     created, model = int(time.time()), state.model_name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": state.fingerprint}
@@ -461,14 +467,20 @@ async def _completion_chunks(state: ServerState, rid: str, streams: list[Request
                 key = (i, c.index)
                 if key in finished:
                     continue
+                first = key not in sent_text
                 t0, k0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
                 delta = c.text[t0:]
                 reason = finish_reason(c)
-                if not delta and reason is None:
+                if not delta and reason is None and not (first and (echo or out.prompt_logprobs)):
                     continue
                 sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
+                head = prompt_text(out, state.tokenizer) if echo else ""
+                if first and echo:
+                    delta = head + delta
                 choice = {"index": i * n + c.index, "text": delta,
-                          "logprobs": state.logprobs.completion(c, k0, t0), "finish_reason": reason}
+                          "logprobs": state.logprobs.completion(c, k0, len(head) + t0), "finish_reason": reason}
+                if first and out.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = state.logprobs.prompt(out.prompt_logprobs)
                 if reason is not None:
                     finished.add(key)
                 yield sse({**base, "choices": [choice], **mode.field([last[i] for i in sorted(last)])})

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic), validated strictly: unknown fields are rejected."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,6 +19,19 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: cumulative usage in every chunk
+
+
+class ResponseFormat(BaseModel):
+    """Only ``{"type": "text"}`` is supported (any other type is a 400 naming the field)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+_UNSUPPORTED = {"tools": "tool (function) calling", "tool_choice": "tool (function) calling",
+                "functions": "function calling", "function_call": "function calling"}
+"""Chat fields that are a 400 naming the field (``tool_choice: "none"`` is accepted, and so is
+``parallel_tool_calls``, meaningless without tools)."""
 
 
 class _Common(BaseModel):
@@ -41,6 +54,11 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[int, float] | None = None  # JSON sends the token ids as strings
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    response_format: ResponseFormat | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
 
@@ -49,8 +67,14 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop: at most 4 non-empty strings")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty/frequency_penalty: only 0 is supported")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > 300:
+                raise ValueError("logit_bias: at most 300 token ids")
+            if any(t < 0 for t in self.logit_bias) or any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+                raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format: JSON response formats ({self.response_format.type!r}) are "
+                             f"not supported; only {{\"type\": \"text\"}}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
@@ -63,14 +87,27 @@ class _Common(BaseModel):
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.engine_seed(),
-            max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+            max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
 
 
 class CompletionRequest(_Common):
+    """``echo`` prepends the prompt's text to each completion's text (OpenAI); ``prompt_logprobs``
+    (vLLM) returns each choice's prompt token logprobs plus the top-k's."""
+
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: Literal[False] = False
+    echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        params.prompt_logprobs = self.prompt_logprobs
+        return params
 
     @model_validator(mode="after")
     def _prompts(self):
@@ -115,6 +152,19 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+
+    @model_validator(mode="after")
+    def _no_tools(self):
+        for name, feature in _UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and not (name == "tool_choice" and value == "none"):
+                raise ValueError(f"{name}: {feature} is not supported by this server")
+        return self
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -54,6 +54,20 @@ class LogprobFormatter:
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def prompt(self, entries: list[dict[int, float] | None]) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id (a JSON
+        string): {"logprob", "rank", "decoded_token"}}, the prompt token first, then the top-k.
+        ``rank`` is 1 + the number of listed tokens more likely (exact within the top-k)."""
+        out: list[dict | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            vals = list(entry.values())
+            out.append({str(t): {"logprob": lp, "rank": 1 + sum(v > lp for v in vals),
+                                 "decoded_token": self.text(t)} for t, lp in entry.items()})
+        return out
+
     def chat(self, c: CompletionOutput, start: int, top_n: int) -> dict | None:
         if c.logprobs is None:
             return None
@@ -67,10 +81,26 @@ class LogprobFormatter:
         return {"content": content}
 
 
+def prompt_text(out: RequestOutput, tokenizer) -> str:
+    """The prompt as text (``echo``): as sent, or its token ids decoded."""
+    if out.prompt is not None:
+        return out.prompt
+    return tokenizer.decode(out.prompt_token_ids)
+
+
 def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp: LogprobFormatter,
-                    fingerprint: str) -> dict:
-    choices = [{"index": i * n + c.index, "text": c.text, "logprobs": lp.completion(c, 0, 0),
-                "finish_reason": finish_reason(c)} for i, o in enumerate(outs) for c in o.outputs]
+                    fingerprint: str, echo: bool = False) -> dict:
+    """``echo``: each choice's text starts with its prompt's; prompt logprobs (vLLM's
+    ``prompt_logprobs``) come as a list on each choice."""
+    choices = []
+    for i, o in enumerate(outs):
+        head = prompt_text(o, lp.tok) if echo else ""
+        for c in o.outputs:
+            choice = {"index": i * n + c.index, "text": head + c.text, "logprobs": lp.completion(c, 0, len(head)),
+                      "finish_reason": finish_reason(c)}
+            if o.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = lp.prompt(o.prompt_logprobs)
+            choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "system_fingerprint": fingerprint, "choices": choices, "usage": usage(outs)}
 
