@@ -132,6 +132,12 @@ def decode_micro(llm, cost, ceilings, batches: list[int], contexts: list[int]) -
     return rows
 
 
+def print_decode_micro(rows: list[dict], indent: str = "") -> None:
+    for r in rows:
+        print(f"{indent}decode b={r['batch']:>3} ctx={r['context']:>5}: {r['step_ms']:7.2f} ms, "
+              f"roofline {r['roofline_ms']:7.2f} ms ({r['fraction_of_roofline']:.0%})", flush=True)
+
+
 def run(a: argparse.Namespace) -> dict:
     import torch
 
@@ -205,9 +211,7 @@ def run(a: argparse.Namespace) -> dict:
         save()
     if "micro" not in a.skip:
         result["decode_micro"] = decode_micro(llm, cost, ceilings, a.micro_batches, a.micro_contexts)
-        for r in result["decode_micro"]:
-            print(f"decode b={r['batch']:>3} ctx={r['context']:>5}: {r['step_ms']:7.2f} ms, "
-                  f"roofline {r['roofline_ms']:7.2f} ms ({r['fraction_of_roofline']:.0%})", flush=True)
+        print_decode_micro(result["decode_micro"])
     result["summary"] = {name: {"kvos_tok_s": round(w["kvos"]["output_tok_s"], 1),
                                 "kvos_req_s": round(w["kvos"]["req_s"], 2),
                                 "fraction_of_ideal": round(w["kvos"]["fraction_of_ideal"], 3),

@@ -83,7 +83,7 @@ def run(a: argparse.Namespace) -> dict:
     import torch
 
     from kvos import LLM
-    from kvos.bench.gpu_throughput import decode_micro, fixed, run_kvos
+    from kvos.bench.gpu_throughput import decode_micro, fixed, print_decode_micro, run_kvos
     from kvos.bench.machine import machine_info
     from kvos.bench.roofline import ModelCost, measure_ceilings
     from kvos.cli import engine_kwargs
@@ -115,9 +115,7 @@ def run(a: argparse.Namespace) -> dict:
         print(layout, "long-context", round(run_row["output_tok_s"], 1), "output tok/s", flush=True)
         if cuda and a.micro_batches:
             row["decode_micro"] = decode_micro(llm, cost, ceilings, a.micro_batches, a.micro_contexts)
-            for r in row["decode_micro"]:
-                print(f"  decode b={r['batch']:>3} ctx={r['context']:>5}: {r['step_ms']:7.2f} ms, roofline "
-                      f"{r['roofline_ms']:7.2f} ms ({r['fraction_of_roofline']:.0%})", flush=True)
+            print_decode_micro(row["decode_micro"], "  ")
         result["layouts"][layout] = row
         out.write_text(json.dumps(result, indent=2))
         del llm, eng

@@ -42,7 +42,7 @@ def run(a: argparse.Namespace) -> dict:
     import torch
 
     from kvos import LLM
-    from kvos.bench.gpu_throughput import decode_micro, fixed, run_kvos
+    from kvos.bench.gpu_throughput import decode_micro, fixed, print_decode_micro, run_kvos
     from kvos.bench.hybrid import run_plain
     from kvos.bench.machine import machine_info
     from kvos.bench.roofline import ModelCost, measure_ceilings
@@ -74,9 +74,7 @@ def run(a: argparse.Namespace) -> dict:
             longest = max(a.micro_contexts)
             eng.runner.capture_decode_graphs(kw["max_num_seqs"], longest + 1, max_context=longest)
             row["decode_micro"] = decode_micro(llm, cost, ceilings, a.micro_batches, a.micro_contexts)
-            for r in row["decode_micro"]:
-                print(f"  decode b={r['batch']:>3} ctx={r['context']:>5}: {r['step_ms']:7.2f} ms, roofline "
-                      f"{r['roofline_ms']:7.2f} ms ({r['fraction_of_roofline']:.0%})", flush=True)
+            print_decode_micro(row["decode_micro"], "  ")
         result["kv_dtypes"][kv_dtype] = row
         out.write_text(json.dumps(result, indent=2))
         del llm, eng
