@@ -175,13 +175,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``[num_blocks, block_size, KVH]`` (any strides), the scale of each (token, kv head) row, at
     the same block and offset as the row; k_cache and v_cache are then both float8_e4m3fn or
     both int8 (as ``write_kv`` writes them) and q is fp32, bf16 or fp16. Attention runs over the
-    dequantized rows ``x * scale``, dequantized inside the kernel: each tile is converted to q's
-    dtype (exact for both formats), the keys' scales multiply the scores (before the causal and
-    window masks, so hidden keys stay -inf) and the values' scales the probabilities. Scales
-    are read exactly where the caches are: never past a sequence's length nor in blocks wholly
-    before the window (which may hold anything), and the rows that are read must hold finite
-    values and scales (as ``write_kv`` leaves them), as in the unquantized cache. Without scales
-    the kernel compiles as before (a QUANT=False constexpr).
+    dequantized rows ``x * scale`` without a dequantized copy (``attend_key_range`` states how;
+    16-bit queries take fp16 dots: ``quantized_dot_flags``). Scales are read exactly where the
+    caches are: never past a sequence's length nor in blocks wholly before the window, and the rows that are read must hold
+    finite values and scales (as ``write_kv`` leaves them). Without scales the kernel compiles
+    as before (a QUANT=False constexpr).
 
     CUDA graphs: no host synchronisation and no branch on tensor values; the grid depends on
     max_query_len, S and KVH only.

@@ -99,6 +99,12 @@ def quantized_dot_flags(q: torch.Tensor, k_cache: torch.Tensor, quantized: bool)
 
 
 @triton.jit
+def int8_to_fp16(x):
+    """An int8 tile as fp16, exactly, by the bit trick of ``quantized_dot_flags``."""
+    return (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - tl.full(x.shape, 1152.0, tl.float16)
+
+
+@triton.jit
 def attend_key_range(
     acc, m_i, l_i, q, row_first, row_last, start, end,
     k_head_ptr, v_head_ptr, table_ptr, stride_table,
@@ -167,7 +173,7 @@ def attend_key_range(
             else:
                 k_scale = tl.load(k_scale_head_ptr + block * stride_ksb + offset * stride_kso)
             if INT8_FP16:
-                kw = (k.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - tl.full(k.shape, 1152.0, tl.float16)
+                kw = int8_to_fp16(k)
             else:
                 kw = k.to(q.dtype)
             s = tl.dot(q, tl.trans(kw), input_precision=PRECISION)
@@ -198,7 +204,7 @@ def attend_key_range(
             else:
                 v_scale = tl.load(v_scale_head_ptr + block * stride_vsb + offset * stride_vso)
             if INT8_FP16:
-                vw = (v.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - tl.full(v.shape, 1152.0, tl.float16)
+                vw = int8_to_fp16(v)
             else:
                 vw = v.to(q.dtype)
             acc = tl.dot((p * (v_scale * V_FOLD)[None, :]).to(q.dtype), vw, acc * alpha[:, None],
