@@ -1,4 +1,4 @@
-"""The ``kvos`` command: generate, chat, bench."""
+"""The ``kvos`` command: generate, chat, serve, plan, simulate, bench, export-tokenizer."""
 from __future__ import annotations
 
 import argparse
@@ -198,6 +198,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_tokenizer(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvos.model.loader import load_tokenizer, resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path(a.model))
+    out = Path(a.out_dir)
+    tok.save_pretrained(str(out))
+    print(f"saved the tokenizer of {resolve_model_path(a.model).name} ({len(tok)} tokens) to {out}/")
+    return 0
+
+
 BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("throughput", "throughput", "kvos vs HF transformers generate, and prefix-cache TTFT", True),
     ("serve", "serve", "HTTP load against a running server: TTFT, TPOT, throughput", False),
@@ -237,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="turn CORS on for these browser origins (comma-separated, or '*' for any); off by default")
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
+    et = sub.add_parser("export-tokenizer", help="save the model's tokenizer as a Hugging Face tokenizer folder "
+                        "(for load tools such as guidellm: --tokenizer kind=huggingface_auto,model=DIR)")
+    et.add_argument("out_dir")
+    et.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    et.set_defaults(fn=cmd_export_tokenizer)
     from kvos.sim import plan_cli
 
     pl = sub.add_parser("plan", help="capacity planner: KV bytes, pool, concurrency, decode roofline",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import time
@@ -238,3 +239,50 @@ def test_graceful_shutdown_drains_running_requests(keyed_server):
     assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
     assert data[-1]["choices"][0]["finish_reason"] == "length"
     assert keyed_server.proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after draining
+
+
+def test_exported_tokenizer_matches_the_models(llm, tmp_path):
+    from transformers import AutoTokenizer
+
+    from kvos.cli import main
+
+    assert main(["export-tokenizer", str(tmp_path / "tok")]) == 0
+    exported, ours = AutoTokenizer.from_pretrained(str(tmp_path / "tok")), llm.get_tokenizer()
+    for text in ["The capital of France is", "naïve café – 東京 🚀\n\tdef f(x): return x**2", " spaces  and\n\nnewlines "]:
+        assert exported.encode(text) == ours.encode(text)
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert (exported.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_guidellm_load_run_has_no_errors(server, tmp_path, route):
+    """guidellm, as users point it at vLLM (streams, continuous usage stats, ignore_eos), with a
+    tokenizer exported from the model file and a synthetic dataset: 20 requests, 0 errors."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    guidellm = shutil.which("guidellm", path=str(Path(sys.executable).parent))
+    assert guidellm, "guidellm is a test dependency"
+    assert subprocess.run([sys.executable, "-m", "kvos.cli", "export-tokenizer", str(tmp_path / "tok")],
+                          capture_output=True).returncode == 0
+    before = sum(server.metric("kvos:request_success_total", f'finished_reason="{r}"') for r in ("length", "stop"))
+    out = tmp_path / "guidellm.json"
+    run = subprocess.run(
+        [guidellm, "run", "--backend", f"kind=openai_http,target={server.url},model={MODEL},request_format={route}",
+         "--profile", "kind=concurrent,streams=4", "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
+         "--tokenizer", f"kind=huggingface_auto,model={tmp_path / 'tok'}",
+         "--constraint", "kind=max_requests,count=20", "--output", f"kind=json,path={out}",
+         "--disable-console-interactive"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    assert bench["metrics"]["request_totals"] == {"successful": 20, "errored": 0, "incomplete": 0, "total": 20}
+    done = bench["requests"]["successful"]
+    assert all(r["output_tokens"] == 16 for r in done), [r["output_tokens"] for r in done]
+    if route == "/v1/completions":
+        assert all(r["prompt_tokens"] == 64 for r in done)  # the exported tokenizer counts as the server does
+    after = sum(server.metric("kvos:request_success_total", f'finished_reason="{r}"') for r in ("length", "stop"))
+    assert after - before == 20

@@ -62,21 +62,42 @@ def server():
     s.stop()
 
 
+COMPLETION_PROMPT = "The story of the lighthouse keeper began"
+
+
+def server_text(client: openai.OpenAI, endpoint: str, stop: list[str] | None, stream: bool) -> str:
+    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=N_TOKENS, temperature=0, stop=stop, stream=stream,
+              extra_body={"ignore_eos": True})
+    if endpoint == "chat":
+        r = client.chat.completions.create(messages=PROMPT, **kw)
+        return "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else \
+            r.choices[0].message.content
+    r = client.completions.create(prompt=COMPLETION_PROMPT, **kw)
+    return "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server_reference(client):
+    return {e: server_text(client, e, None, False) for e in ("chat", "completions")}
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_streaming_equals_non_streaming_through_the_server(server, reference_text, endpoint):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    words = reference_text.split()
-    stop = [" ".join(words[3:5])[:-1]]  # ends mid-word: several tokens, the last one partial
-    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=N_TOKENS, temperature=0, stop=stop)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(start=st.integers(0, 10_000), length=st.integers(2, 12))
+def test_streaming_equals_non_streaming_through_the_server(client, server_reference, reference_text, endpoint,
+                                                           start, length):
+    """Random stop strings cut from the server's own output, so they span tokens and split them
+    anywhere: streamed text equals the non-streamed text, which ends just before the stop."""
+    ref = server_reference[endpoint]
     if endpoint == "chat":
-        full = client.chat.completions.create(messages=PROMPT, **kw).choices[0].message.content
-        parts = [c.choices[0].delta.content or "" for c in
-                 client.chat.completions.create(messages=PROMPT, stream=True, **kw) if c.choices]
-    else:
-        prompt = "The story of the lighthouse keeper began"
-        full = client.completions.create(prompt=prompt, **kw).choices[0].text
-        parts = [c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **kw)
-                 if c.choices]
-    assert "".join(parts) == full
-    if endpoint == "chat":
-        assert full == reference_text[: reference_text.find(stop[0])]
+        assert ref == reference_text  # the server and the engine agree
+    start %= len(ref) - length
+    stop = [ref[start: start + length]]
+    full = server_text(client, endpoint, stop, stream=False)
+    assert server_text(client, endpoint, stop, stream=True) == full
+    assert full == ref[: ref.find(stop[0])]

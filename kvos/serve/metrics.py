@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+FINISH_REASONS = ("stop", "length", "abort")
 PROMPT_BUCKETS = (128, 512, 2048, 8192)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -104,6 +105,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("kvos:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("kvos:request_success", "Finished requests by reason.", ["finished_reason"],
                                 registry=r)
+        for reason in FINISH_REASONS:  # present at 0 from the start, as Prometheus advises for known labels
+            self.requests.labels(reason)
         self.rejected = Counter("kvos:request_rejected", "Requests refused by status code.", ["code"], registry=r)
 
     def observe(self, prompt_len: int, arrival: float, first: float | None, end: float, num_out: int,
