@@ -2,59 +2,75 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
+import typing
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from 'on', 'off')")
+    return value == "on"
+
+
+def engine_flags(f: dataclasses.Field) -> list[str]:
+    """The option strings of an ``EngineConfig`` field: ``--field-name`` unless its metadata names a
+    "flag", then its "aliases"."""
+    return [f.metadata.get("flag", "--" + f.name.replace("_", "-")), *f.metadata.get("aliases", ())]
+
+
+def engine_dest(f: dataclasses.Field) -> str:
+    """The namespace attribute that holds an ``EngineConfig`` field's value (its name unless that
+    would clash with another option, see ``seed``)."""
+    return f.metadata.get("dest", f.name)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", "--config", dest="model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct); "
-                   "with --random-weights a bundled config (llama-3.1-8b, qwen3-8b, llama-tiny, qwen3-tiny) or a config.json")
-    g.add_argument("--random-weights", action="store_true",
-                   help="draw weights at random from the model's config (benchmarks without real weights)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-layout", default="unified", choices=["unified", "equal_pages", "homogeneous"],
-                   help="hybrid (sliding-window) models: one pool of LCM-sized pages split per layer kind "
-                        "(unified), vLLM-style equal pages, or every layer keeping every token (homogeneous)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV pool budget (default: 2 GiB on CPU; on a GPU, profiled from --gpu-memory-utilization)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--async-scheduling", choices=["on", "off"], default=None,
-                   help="schedule and queue step N+1 while step N runs (default: on for a CUDA device)")
-    g.add_argument("--num-blocks", type=int, default=None,
-                   help="pool size in pages: blocks, or large pages of a hybrid pool (overrides the budget)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "int8"],
-                   help="KV cache storage: the model's dtype (auto), or 8-bit with a float32 scale per token "
-                        "and kv head (about half of bf16's bytes)")
-    g.add_argument("--device", default="cpu")
-    t = p.add_argument_group("tiers below the device")
-    t.add_argument("--cpu-cache-gb", type=float, default=0.0, help="CPU-memory tier size (0: off)")
-    t.add_argument("--disk-cache-dir", default=None, help="local-disk tier directory (off if not given)")
-    t.add_argument("--disk-cache-gb", type=float, default=10.0)
-    t.add_argument("--remote-cache", default=None, help="redis://host:port shared tier")
-    t.add_argument("--write-policy", default="write_through", choices=["write_through", "write_back"])
-    t.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    t.add_argument("--swap-space-gb", type=float, default=4.0)
+    """One flag per ``EngineConfig`` field, generated from the fields (their metadata gives help,
+    choices, the help group and any special spelling); defaults are the dataclass's."""
+    from kvos.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        title = meta.get("group", "engine")
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"EngineConfig.{f.name} needs a default to have a CLI flag")
+        kw: dict = {"dest": engine_dest(f), "default": default, "help": meta.get("help")}
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        optional = type(None) in args
+        base = next((t for t in args if t is not type(None)), None) if optional and len(args) == 2 else tp
+        if base is bool and not optional:
+            if default is not bool(meta.get("negate")):
+                raise TypeError(f"EngineConfig.{f.name}: a bool flag needs default False (or True with "
+                                f"metadata negate, a --no-... flag)")
+            kw["action"] = "store_false" if meta.get("negate") else "store_true"
+        elif base is bool:  # bool | None: on, off, or not given (None)
+            kw.update(type=_on_off, metavar="{on,off}")
+        elif base in (int, float, str):
+            kw["type"] = base
+            if "choices" in meta:
+                kw["choices"] = list(meta["choices"])
+        else:
+            raise TypeError(f"EngineConfig.{f.name}: no CLI flag for type {tp!r}")
+        groups[title].add_argument(*engine_flags(f), **kw)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(model=a.model, block_size=a.block_size, kv_layout=a.kv_layout,
-                enable_prefix_caching=not a.no_prefix_caching,
-                kv_cache_memory_bytes=a.kv_cache_memory_bytes, num_blocks=a.num_blocks,
-                max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                max_model_len=a.max_model_len, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, device=a.device, cpu_cache_gb=a.cpu_cache_gb,
-                disk_cache_dir=a.disk_cache_dir, disk_cache_gb=a.disk_cache_gb, remote_cache=a.remote_cache,
-                write_policy=a.write_policy, preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb,
-                random_weights=a.random_weights, gpu_memory_utilization=a.gpu_memory_utilization,
-                enforce_eager=a.enforce_eager,
-                async_scheduling=None if a.async_scheduling is None else a.async_scheduling == "on")
+    """``EngineConfig`` keyword arguments, every field, from flags added by ``add_engine_args``."""
+    from kvos.config import EngineConfig
+
+    return {f.name: getattr(a, engine_dest(f)) for f in dataclasses.fields(EngineConfig)}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -222,7 +238,8 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvos`` parser, every subcommand (each sets ``fn``, the function that runs it)."""
     p = argparse.ArgumentParser(prog="kvos", description="LLM inference with the KV cache as virtual memory")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete one prompt, streaming tokens")
@@ -275,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         if engine_options:
             add_engine_args(sp)
         sp.set_defaults(fn=cmd_bench, bench_run=mod.run)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         return a.fn(a)
     except ValueError as e:

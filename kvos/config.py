@@ -1,9 +1,21 @@
 """The engine's one configuration object."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvos.cache.eviction import POLICIES as EVICTION_POLICIES
+from kvos.cache.tiers.hierarchy import WRITE_POLICIES
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+PREEMPTION_ORDERS = ("latest", "least_progress")
+KV_LAYOUTS = ("unified", "equal_pages", "homogeneous")
+PREEMPTION_MODES = ("recompute", "swap")
+TIERS = "tiers below the device"  # the CLI's argument group for these fields
+
+# Each field's metadata drives its ``kvos`` flag (kvos.cli.add_engine_args): "help", "choices", and where the
+# default spelling (--field-name) does not fit, "flag", "aliases", "dest", "negate" (a bool flag that turns
+# the field off), "group" (the help section; default "engine").
 
 
 @dataclass
@@ -26,31 +38,68 @@ class EngineConfig:
     bf16's bytes (a quarter of float32's), quantized on write and dequantized inside attention.
     """
 
-    model: str | None = None
-    block_size: int = 16
-    kv_layout: str = "unified"  # hybrid models: "unified" (Jenga pages), "equal_pages" (vLLM), "homogeneous"
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None
-    num_blocks: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int | None = None
-    dtype: str | None = None  # bfloat16 on a GPU, float32 on the CPU
-    kv_cache_dtype: str = "auto"  # the model's dtype; or "fp8_e4m3" / "int8", with scales per token and head
-    device: str = "cpu"
-    scheduling_policy: str = "fcfs"
-    seed: int = 0
-    cpu_cache_gb: float = 0.0
-    disk_cache_dir: str | None = None
-    disk_cache_gb: float = 10.0
-    remote_cache: str | None = None  # redis://host:port
-    write_policy: str = "write_through"  # or "write_back"
-    preemption_mode: str = "recompute"  # or "swap": preempted KV waits in host memory
-    swap_space_gb: float = 4.0
-    random_weights: bool = False
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None  # default: on for a CUDA device
+    model: str | None = field(default=None, metadata={
+        "aliases": ("--config",),
+        "help": "GGUF file or HF folder (default: SmolLM2-135M-Instruct); with --random-weights a bundled config "
+                "(llama-3.1-8b, qwen3-8b, llama-tiny, qwen3-tiny) or a config.json"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_layout: str = field(default="unified", metadata={
+        "choices": KV_LAYOUTS,
+        "help": "hybrid (sliding-window) models: one pool of LCM-sized pages split per layer kind "
+                "(unified, Jenga), vLLM-style equal pages, or every layer keeping every token (homogeneous)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "flag": "--no-prefix-caching", "negate": True, "help": "turn automatic prefix caching off"})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "help": "KV pool budget (default: 2 GiB on CPU; on a GPU, profiled from --gpu-memory-utilization)"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "pool size in pages: blocks, or large pages of a hybrid pool (overrides the budget)"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens one engine step may schedule"})
+    max_num_seqs: int = field(default=128, metadata={"help": "sequences one engine step may run"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest sequence, prompt and output (default: the model's context length)"})
+    dtype: str | None = field(default=None, metadata={"help": "default: bfloat16 on a GPU, float32 on the CPU"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "choices": KV_CACHE_DTYPES,
+        "help": "KV cache storage: the model's dtype (auto), or 8-bit with a float32 scale per token "
+                "and kv head (about half of bf16's bytes)"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "choices": SCHEDULING_POLICIES,
+        "help": "fcfs: arrival order; priority: lower value first; lpm: longest cached prefix first"})
+    fairness_steps: int = field(default=64, metadata={
+        "help": "lpm: a request overtaken by later arrivals for this many steps goes first"})
+    eviction_policy: str = field(default="lru", metadata={
+        "choices": EVICTION_POLICIES, "help": "which unreferenced cached block is evicted first"})
+    preemption_order: str = field(default="latest", metadata={
+        "choices": PREEMPTION_ORDERS,
+        "help": "preemption victim: lowest priority, then the latest arrival (latest) or the one losing the "
+                "least progress (least_progress)"})
+    max_pinned_fraction: float = field(default=0.5, metadata={
+        "help": "cap on the fraction of the pool's blocks that pinned prefixes may hold"})
+    seed: int = field(default=0, metadata={
+        # --seed is the sampling seed of generate and chat
+        "flag": "--engine-seed", "dest": "engine_seed", "help": "the engine's torch seed (e.g. random weights)"})
+    cpu_cache_gb: float = field(default=0.0, metadata={"group": TIERS, "help": "CPU-memory tier size (0: off)"})
+    disk_cache_dir: str | None = field(default=None, metadata={
+        "group": TIERS, "help": "local-disk tier directory (off if not given)"})
+    disk_cache_gb: float = field(default=10.0, metadata={"group": TIERS, "help": "local-disk tier size"})
+    remote_cache: str | None = field(default=None, metadata={"group": TIERS, "help": "redis://host:port shared tier"})
+    write_policy: str = field(default="write_through", metadata={
+        "group": TIERS, "choices": WRITE_POLICIES,
+        "help": "write_through: a block goes to every tier once computed; write_back: to a tier only when the "
+                "one above evicts it"})
+    preemption_mode: str = field(default="recompute", metadata={
+        "group": TIERS, "choices": PREEMPTION_MODES,
+        "help": "recompute: a preempted request's KV is dropped and recomputed; swap: it waits in host memory"})
+    swap_space_gb: float = field(default=4.0, metadata={
+        "group": TIERS, "help": "host memory for swapped-out KV (--preemption-mode swap)"})
+    random_weights: bool = field(default=False, metadata={
+        "help": "draw weights at random from the model's config (benchmarks without real weights)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of the GPU's memory the engine may use (weights, activations and KV pool)"})
+    enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
+    async_scheduling: bool | None = field(default=None, metadata={
+        "help": "schedule and queue step N+1 while step N runs (default: on for a CUDA device)"})
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
@@ -64,11 +113,19 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
             raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
-        if self.kv_layout not in ("unified", "equal_pages", "homogeneous"):
+        if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be 'unified', 'equal_pages' or 'homogeneous', got {self.kv_layout!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
+        for name, allowed in (("eviction_policy", EVICTION_POLICIES), ("scheduling_policy", SCHEDULING_POLICIES),
+                              ("preemption_order", PREEMPTION_ORDERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.fairness_steps, int) or self.fairness_steps < 1:
+            raise ValueError(f"fairness_steps must be a positive integer, got {self.fairness_steps!r}")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

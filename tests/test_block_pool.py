@@ -23,6 +23,7 @@ class Seq:
     def __init__(self, rid, tokens, salt=None):
         self.request_id, self.all_token_ids, self.cache_salt = rid, list(tokens), salt
         self.num_computed_tokens = 0
+        self.priority = 0
 
     @property
     def num_tokens(self):

@@ -26,6 +26,7 @@ class Seq:
     all_token_ids: list[int]
     cache_salt: str | None
     num_computed_tokens: int = 0
+    priority: int = 0
     computed_at_allocate: int = 0  # num_computed_tokens when its table was last allocated
     extra: list[int] = field(default_factory=list)
 

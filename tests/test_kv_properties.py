@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvos.cache import FullAttentionSpec, KVCacheManager
-from kvos.cache.eviction import make_policy
+from kvos.cache.eviction import POLICIES, make_policy
 
 
 @dataclass(eq=False)
@@ -23,6 +23,7 @@ class Seq:
     all_token_ids: list[int]
     cache_salt: str | None
     num_computed_tokens: int = 0
+    priority: int = 0
     extra: list[int] = field(default_factory=list)
 
     @property
@@ -36,12 +37,13 @@ salts = st.sampled_from([None, "tenant-a", "tenant-b"])
 
 class KVMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 40),
-                policy=st.sampled_from(["lru", "fifo", "lfu"]))
+                policy=st.sampled_from(POLICIES))
     def setup(self, block_size: int, num_blocks: int, policy: str) -> None:
         self.bs = block_size
         self.policy = policy
         self.kv = KVCacheManager(FullAttentionSpec(block_size, 1, 1, 1), num_blocks, model_id="m",
-                                 policy=make_policy(policy))
+                                 policy=make_policy(policy, capacity=num_blocks, block_size=block_size))
+        self.kv.pool.on_evict = self._check_no_unreferenced_child
         self.memory: dict[int, dict[int, tuple]] = {}
         self.active: list[Seq] = []
         self.n = 0
@@ -140,17 +142,21 @@ class KVMachine(RuleBasedStateMachine):
                 got = self.memory.get(table[pos // self.bs].block_id, {}).get(pos % self.bs)
                 assert got == (seq.cache_salt, seq.all_token_ids[pos]), (seq.request_id, pos)
 
+    def _check_no_unreferenced_child(self, evicted) -> None:
+        """A block is never evicted while a cached block that extends it could still be hit."""
+        for b in self.kv.pool.blocks:
+            if b.block_hash is not None and b.parent_hash == evicted.block_hash and b is not evicted:
+                assert b.ref_cnt > 0, f"{evicted} evicted before its child {b}"
+
     @invariant()
     def children_evicted_before_parents(self) -> None:
+        """The policy holds only leaves: no unreferenced cached block extends one it holds."""
         if not hasattr(self, "kv"):
             return
-        seen: set[bytes] = set()
-        if self.policy != "lru":
-            return
-        for block in self.kv.pool.evictor:
-            if block.block_hash is not None:
-                assert block.parent_hash not in seen, "a parent is queued for eviction before its child"
-                seen.add(block.block_hash)
+        pool = self.kv.pool
+        free_children = {b.parent_hash for b in pool.blocks if b.block_hash is not None and b.ref_cnt == 0}
+        for block in pool.evictor:
+            assert block.block_hash not in free_children, f"{block} is offered for eviction before its child"
 
     def teardown(self) -> None:
         if not hasattr(self, "kv"):

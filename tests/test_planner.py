@@ -211,6 +211,7 @@ def test_planner_window_blocks_match_the_kv_manager(window, block_size):
         all_token_ids: list = field(default_factory=list)
         num_computed_tokens: int = 0
         cache_salt: str | None = None
+        priority: int = 0
 
         @property
         def num_tokens(self) -> int:

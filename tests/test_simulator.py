@@ -29,15 +29,33 @@ def conversation():
     return load_mooncake(DATA / "mooncake_conversation.jsonl.gz")
 
 
-@pytest.mark.parametrize("name, block_rate, token_rate", [
-    ("synthetic", 0.6396, 0.651),
-    ("conversation", 0.3664, 0.374),
+def full_block_hit_rate(trace) -> float:
+    """Independent of kvos: with an unbounded cache of full blocks, each request hits its
+    leading full blocks that an earlier request held in full; over all its ``hash_ids`` (a
+    trailing partial block is never cached, whatever the trace's ids say)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for tr in sorted(trace, key=lambda r: r.arrival_s):
+        n_full = tr.input_len // 512
+        k = 0
+        while k < n_full and tr.hash_ids[k] in seen:
+            k += 1
+        hit, total = hit + k, total + len(tr.hash_ids)
+        seen.update(tr.hash_ids[:n_full])
+    return hit / total
+
+
+@pytest.mark.parametrize("name, trace_rate, token_rate", [
+    ("synthetic", 0.640, 0.651),
+    ("conversation", 0.366, 0.374),
 ])
-def test_mooncake_unbounded_hit_rates(name, block_rate, token_rate, conversation):
+def test_mooncake_unbounded_hit_rates(name, trace_rate, token_rate, conversation):
     trace = conversation if name == "conversation" else load_mooncake(DATA / f"mooncake_{name}.jsonl.gz")
     r = simulate(trace, block_size=512)
     assert r["num_requests"] == len(trace)
-    assert round(r["block_hit_rate"], 4) == block_rate
+    # the traces' own figures count trailing partial blocks too; the cache serves full ones only
+    assert abs(r["block_hit_rate"] - full_block_hit_rate(trace)) < 0.0005
+    assert r["block_hit_rate"] <= trace_rate + 0.0005
     # kvos caches only full blocks, so hits on trailing partial blocks (<0.1 pp) are not counted
     assert abs(r["token_hit_rate"] - token_rate) < 0.001
     assert r["evictions"] == 0 and r["preemptions"] == 0

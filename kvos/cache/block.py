@@ -31,6 +31,8 @@ class KVBlock:
     cached_at: int = 0  # logical time the content was registered (FIFO)
     last_used: int = 0  # logical time of the last free or hit (LRU tie-breaks, LFU)
     num_hits: int = 0  # prefix hits since cached (LFU)
+    depth: int = 0  # index of the block in its chain (0: the first block of a prompt)
+    priority: int = 0  # the most important (lowest) priority of a request that cached or hit it
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
 

@@ -27,9 +27,14 @@ class BlockPool:
     Block ``i`` is small page ``i % per_page`` of large page ``i // per_page``; block 0 (in
     page 0) is the group's null block, padding for block tables. Unreferenced blocks with no
     cached content (``plain_free``) are reused first; a large page whose small pages are all
-    plain free goes back to the shared pool at once. Unreferenced cached blocks wait in the
-    eviction policy (LRU by default) until evicted. Callers free a request's blocks tail first,
-    so under LRU a chain's tail is evicted before its parent.
+    plain free goes back to the shared pool at once. Unreferenced cached blocks are evictable.
+
+    Chain order (full attention, ``chain_order``): a block is never evicted before the cached
+    blocks that extend it, whatever the policy. An unreferenced cached block with unreferenced
+    cached children is *parked* (not offered to the policy); it enters the policy when its last
+    such child is evicted or taken. So the policy only ever sees leaves, and while any block is
+    parked some leaf below it is in the policy. Sliding-window groups have no chain order (a
+    sliding block's use does not depend on its parent): every evictable block is in the policy.
 
     Safety rules:
     - ``get_new_blocks`` only ever hands out blocks with ``ref_cnt == 0``: a referenced block is
@@ -63,8 +68,10 @@ class BlockPool:
         self._owned_pages = 0
         self.evictor = policy if policy is not None else LRUPolicy()
         self.chain_order = chain_order
-        """Queue a freed block's unreferenced ancestors behind it (full attention: a block is
-        never evicted before the blocks that extend it)."""
+        self._parked: dict[int, KVBlock] = {}
+        """Unreferenced cached blocks waiting for their unreferenced cached children."""
+        self._free_children: dict[BlockHash, int] = {}
+        """Per parent hash: its unreferenced cached children (in the policy or parked)."""
         self.index = index if index is not None else PrefixIndex()
         self.counters = counters if counters is not None else CacheCounters()
         self.clock = clock if clock is not None else LogicalClock()
@@ -82,18 +89,25 @@ class BlockPool:
         """Blocks this group could hold if it had the whole pool."""
         return self.pages.num_usable * self.per_page
 
+    def num_evictable(self) -> int:
+        """Unreferenced cached blocks: in the policy or parked behind their children."""
+        return len(self.evictor) + len(self._parked)
+
     def num_free_blocks(self) -> int:
         """Blocks this group can take now without evicting another group's content."""
-        return len(self.plain_free) + len(self.evictor) + self.pages.num_free() * self.per_page
+        return len(self.plain_free) + self.num_evictable() + self.pages.num_free() * self.per_page
 
     def is_free(self, block: KVBlock) -> bool:
         """Unreferenced: plain free, evictable, or in a large page no group holds."""
-        return (block.prev_free is not None or block in self.evictor
+        return (block.prev_free is not None or block in self.evictor or block.block_id in self._parked
                 or self.pages.owner[block.block_id // self.per_page] != self.group)
+
+    def is_parked(self, block: KVBlock) -> bool:
+        return block.block_id in self._parked
 
     def usage(self) -> CacheUsage:
         """This group's own blocks (those in large pages it holds)."""
-        free, cached = len(self.plain_free), len(self.evictor)
+        free, cached = len(self.plain_free), self.num_evictable()
         total = self._owned_pages * self.per_page
         return CacheUsage(total=total, free=free, cached=cached, used=total - free - cached)
 
@@ -191,35 +205,39 @@ class BlockPool:
         assert block.ref_cnt == 0 and block.block_hash is not None
         if self.on_evict is not None:
             self.on_evict(block)
+        self._child_left(block)
         self.index.remove(block.block_hash)
         block.block_hash = block.parent_hash = None
         block.num_hits = 0
         self.counters.evictions += 1
         self._to_plain(block)
 
-    def touch(self, blocks: Iterable[KVBlock], hit: bool = False) -> None:
-        """Take a reference on each block (``hit``: a prefix-cache hit; else a fork), reviving
-        unreferenced ones from the free lists."""
+    def touch(self, blocks: Iterable[KVBlock], hit: bool = False, priority: int | None = None) -> None:
+        """Take a reference on each block (``hit``: a prefix-cache hit by a request of
+        ``priority``; else a fork), reviving unreferenced ones from the free lists. Pass a chain
+        root first."""
         now = self.clock.tick()
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
-                    self.evictor.remove(block)
+                    if self._parked.pop(block.block_id, None) is None:
+                        self.evictor.remove(block)
+                    self._child_left(block)
                 else:
                     self.plain_free.remove(block)
                     self._plain_in_page[block.block_id // self.per_page] -= 1
             if hit:
                 block.num_hits += 1
                 block.last_used = now
+                if priority is not None and block.block_hash is not None:
+                    block.priority = min(block.priority, priority)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
-        """Drop one reference from each block; those reaching 0 are queued in the given order.
-
-        Pass a request's blocks tail first so a chain's children are evicted before its parent.
-        """
+        """Drop one reference from each block; those reaching 0 become evictable (cached) or
+        plain free, in the given order. Pass a request's blocks tail first."""
         for block in ordered:
             if block.is_null:
                 continue
@@ -229,31 +247,53 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     block.last_used = self.clock.tick()
-                    self.evictor.add(block)
-                    if self.chain_order:
-                        self._requeue_ancestors(block)
+                    self._make_evictable(block)
                 else:
                     self._to_plain(block)
 
-    def _requeue_ancestors(self, block: KVBlock) -> None:
-        """Queue ``block``'s unreferenced ancestors behind it. They are usually still referenced
-        (a request frees tail first), but a chain can be built on another copy of a parent's
-        content (a prompt's last token is never a hit, so it is computed again), leaving the
-        registered parent queued since long before its new child."""
-        parent = self.index.get(block.parent_hash) if block.parent_hash is not None else None
-        while parent is not None and parent.ref_cnt == 0 and parent in self.evictor:
-            self.evictor.remove(parent)
-            self.evictor.add(parent)
-            parent = self.index.get(parent.parent_hash) if parent.parent_hash is not None else None
+    def _make_evictable(self, block: KVBlock) -> None:
+        if not self.chain_order:
+            self.evictor.add(block)
+            return
+        if self._free_children.get(block.block_hash):  # type: ignore[arg-type]
+            self._parked[block.block_id] = block
+        else:
+            self.evictor.add(block)
+        parent_hash = block.parent_hash
+        if parent_hash is not None:
+            self._free_children[parent_hash] = self._free_children.get(parent_hash, 0) + 1
+            parent = self.index.get(parent_hash)
+            if parent is not None and parent.ref_cnt == 0 and parent.block_id not in self._parked:
+                self.evictor.remove(parent)  # a chain built on another copy of the parent's content
+                self._parked[parent.block_id] = parent
 
-    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash) -> None:
-        """Register a referenced, full block under its chained hash (no-op if caching is off,
-        the block is already cached, or another block already holds this content)."""
+    def _child_left(self, block: KVBlock) -> None:
+        """``block``, unreferenced and cached, is being evicted or taken: its parent may become
+        a leaf (and enter the policy)."""
+        parent_hash = block.parent_hash
+        if not self.chain_order or parent_hash is None:
+            return
+        left = self._free_children[parent_hash] - 1
+        if left:
+            self._free_children[parent_hash] = left
+            return
+        del self._free_children[parent_hash]
+        parent = self.index.get(parent_hash)
+        if parent is not None and self._parked.pop(parent.block_id, None) is not None:
+            self.evictor.add(parent)
+
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash, depth: int = 0,
+                         priority: int = 0) -> None:
+        """Register a referenced, full block (``depth``-th of its chain, cached by a request of
+        ``priority``) under its chained hash (no-op if caching is off, the block is already
+        cached, or another block already holds this content)."""
         if not self.enable_caching or block.block_hash is not None or block.is_null:
             return
         if self.index.insert(block_hash, block):
             block.block_hash = block_hash
             block.parent_hash = parent_hash
+            block.depth = depth
+            block.priority = priority
             block.cached_at = self.clock.tick()
             if self.newly_cached is not None:
                 self.newly_cached.append(block)

@@ -1,15 +1,18 @@
 """Eviction policies: which unreferenced cached block gives up its content first.
 
-A policy holds exactly the blocks with ``ref_cnt == 0`` and cached content (plain free blocks
-are the pool's business). Safety rule: ``add`` only blocks whose reference count just reached 0;
-``remove`` a block before taking a reference on it; ``pop`` hands out a block the pool will
-evict at once.
+A policy holds the evictable blocks the pool offers it: cached, ``ref_cnt == 0`` and (full
+attention) no unreferenced cached block extending them, so whatever a policy picks, a chain
+loses its tail before its head (see ``BlockPool``). A parent offered after its last child went
+is keyed by its own history, as if it had been there all along. Safety rule: ``add`` only
+blocks the pool offers; ``remove`` a block before taking a reference on it; ``pop`` hands out a
+block the pool will evict at once.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
@@ -17,9 +20,6 @@ from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
 
 class EvictionPolicy(ABC):
     name = "base"
-
-    def __init__(self) -> None:
-        self.clock = 0  # advanced by the pool on every add/hit: a logical time for recency
 
     @abstractmethod
     def add(self, block: KVBlock) -> None: ...
@@ -44,27 +44,79 @@ class EvictionPolicy(ABC):
         return any(b is block for b in self)
 
 
-class LRUPolicy(EvictionPolicy):
-    """Least recently freed first, in O(1) via the intrusive queue. Callers free a chain tail
-    first, so a block is never evicted before the blocks that extend it."""
-
-    name = "lru"
+class KeyedQueue:
+    """Blocks ordered by a key fixed at ``push`` (smallest first): a min-heap with lazy deletion,
+    O(log n) push and pop, O(1) remove."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._queue = FreeBlockQueue([])
+        self._heap: list = []
+        self._version: dict[int, int] = {}
+        self._blocks: dict[int, KVBlock] = {}
+        self._ids = itertools.count()
+
+    def push(self, block: KVBlock, key) -> None:
+        v = next(self._ids)
+        self._version[block.block_id] = v
+        self._blocks[block.block_id] = block
+        heapq.heappush(self._heap, (key, v, block.block_id))
+
+    def remove(self, block: KVBlock) -> None:
+        del self._version[block.block_id]
+        del self._blocks[block.block_id]
+
+    def peek_entry(self) -> tuple:
+        """(key, version, block id) of the smallest live entry."""
+        while self._heap:
+            entry = self._heap[0]
+            if self._version.get(entry[2]) == entry[1]:
+                return entry
+            heapq.heappop(self._heap)  # a stale entry (removed or re-keyed)
+        raise IndexError("no evictable blocks")
+
+    def peek(self) -> KVBlock:
+        return self._blocks[self.peek_entry()[2]]
+
+    def pop(self) -> KVBlock:
+        block = self.peek()
+        heapq.heappop(self._heap)
+        del self._version[block.block_id]
+        return self._blocks.pop(block.block_id)
+
+    def __len__(self) -> int:
+        return len(self._version)
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return iter(list(self._blocks.values()))
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.block_id in self._version
+
+
+class _HeapPolicy(EvictionPolicy):
+    """One ``KeyedQueue`` on ``key(block)``."""
+
+    def __init__(self) -> None:
+        self._queue = KeyedQueue()
+
+    def key(self, block: KVBlock):
+        raise NotImplementedError
 
     def add(self, block: KVBlock) -> None:
-        self._queue.append(block)
+        self._queue.push(block, self.key(block))
+
+    def update(self, block: KVBlock) -> None:
+        """Re-key a queued block whose key changed (no-op if it is not queued)."""
+        if block in self._queue:
+            self._queue.push(block, self.key(block))
 
     def remove(self, block: KVBlock) -> None:
         self._queue.remove(block)
 
     def pop(self) -> KVBlock:
-        return self._queue.popleft()
+        return self._queue.pop()
 
     def peek(self) -> KVBlock:
-        return self._queue.peekleft()
+        return self._queue.peek()
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -73,7 +125,17 @@ class LRUPolicy(EvictionPolicy):
         return iter(self._queue)
 
     def __contains__(self, block: KVBlock) -> bool:
-        return block.prev_free is not None
+        return block in self._queue
+
+
+class LRUPolicy(_HeapPolicy):
+    """Least recently used first: by the logical time of the block's last free (a block is
+    freed after every use, a chain's parent after its children)."""
+
+    name = "lru"
+
+    def key(self, block: KVBlock):
+        return block.last_used
 
 
 class HitProtectedLRUPolicy(EvictionPolicy):
@@ -82,12 +144,11 @@ class HitProtectedLRUPolicy(EvictionPolicy):
     while their request runs: the window at the end of a shared prefix (the blocks a hit needs)
     outlives the mid-prompt blocks that no hit can use. No chain order: a sliding block's use does
     not depend on its parent. A block's hit count does not change while it is queued (a hit takes
-    a reference first), so its segment is fixed from ``add`` to removal."""
+    a reference first), so its segment is fixed from ``add`` to removal. O(1)."""
 
     name = "lru-protect-hits"
 
     def __init__(self) -> None:
-        super().__init__()
         self._probation = FreeBlockQueue([])
         self._protected = FreeBlockQueue([])
 
@@ -117,58 +178,6 @@ class HitProtectedLRUPolicy(EvictionPolicy):
         return block.prev_free is not None
 
 
-class _HeapPolicy(EvictionPolicy):
-    """A min-heap on ``key(block)`` with lazy deletion (a version per queued block)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._heap: list = []
-        self._version: dict[int, int] = {}
-        self._blocks: dict[int, KVBlock] = {}
-        self._ids = itertools.count()
-
-    def key(self, block: KVBlock):
-        raise NotImplementedError
-
-    def add(self, block: KVBlock) -> None:
-        v = next(self._ids)
-        self._version[block.block_id] = v
-        self._blocks[block.block_id] = block
-        heapq.heappush(self._heap, (self.key(block), v, block.block_id))
-
-    def update(self, block: KVBlock) -> None:
-        """Re-key a queued block whose key changed (no-op if it is not queued)."""
-        if block.block_id in self._version:
-            self.add(block)
-
-    def remove(self, block: KVBlock) -> None:
-        self._version.pop(block.block_id)
-        del self._blocks[block.block_id]
-
-    def pop(self) -> KVBlock:
-        block = self.peek()
-        heapq.heappop(self._heap)
-        del self._version[block.block_id]
-        return self._blocks.pop(block.block_id)
-
-    def peek(self) -> KVBlock:
-        while self._heap:
-            _, v, bid = self._heap[0]
-            if self._version.get(bid) == v:
-                return self._blocks[bid]
-            heapq.heappop(self._heap)  # a stale entry (removed or re-keyed)
-        raise IndexError("no evictable blocks")
-
-    def __len__(self) -> int:
-        return len(self._version)
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        return iter(list(self._blocks.values()))
-
-    def __contains__(self, block: KVBlock) -> bool:
-        return block.block_id in self._version
-
-
 class FIFOPolicy(_HeapPolicy):
     """Oldest content first (by when the block was cached), whatever its later use."""
 
@@ -187,8 +196,183 @@ class LFUPolicy(_HeapPolicy):
         return (block.num_hits, block.last_used)
 
 
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO (Yang et al., SOSP'23) over the evictable blocks: a small FIFO for blocks freed
+    for the first time since they were cached, a main FIFO for blocks used again, and a ghost
+    FIFO of recently evicted hashes. A block leaving the small queue moves to main if it was
+    used again, else is evicted (its hash remembered); a block whose hash is a ghost goes
+    straight to main. Main is a CLOCK: a used block is re-queued with one use less. A block's
+    queue and use count survive while it is referenced (a hit takes it out of the policy; it
+    comes back one use richer). Queue position: the time of the block's last free (re-queued:
+    the latest time seen). Amortised O(log n)."""
+
+    name = "s3fifo"
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._small = KeyedQueue()
+        self._main = KeyedQueue()
+        self._ghost: OrderedDict[BlockHash, None] = OrderedDict()
+        self._ghost_size = max(1, capacity)
+        self._state: dict[int, list] = {}  # block_id -> [cached_at, freq, in_main]
+        self._latest = 0
+
+    def _st(self, block: KVBlock) -> list:
+        st = self._state.get(block.block_id)
+        if st is None or st[0] != block.cached_at:  # first free since this content was cached
+            in_main = block.block_hash in self._ghost
+            if in_main:
+                del self._ghost[block.block_hash]  # type: ignore[arg-type]
+            st = self._state[block.block_id] = [block.cached_at, -1, in_main]
+        return st
+
+    def add(self, block: KVBlock) -> None:
+        st = self._st(block)
+        st[1] = min(st[1] + 1, self.MAX_FREQ)  # -1 on the first free: its computation is no use
+        self._latest = max(self._latest, block.last_used)
+        (self._main if st[2] else self._small).push(block, block.last_used)
+
+    def remove(self, block: KVBlock) -> None:
+        (self._main if self._state[block.block_id][2] else self._small).remove(block)
+
+    def peek(self) -> KVBlock:
+        """Runs the queues' lazy moves (they change no cached content) up to the next victim."""
+        while True:
+            total = len(self._small) + len(self._main)
+            if not total:
+                raise IndexError("no evictable blocks")
+            from_small = len(self._small) and (len(self._small) > self.SMALL_FRACTION * total or not len(self._main))
+            queue = self._small if from_small else self._main
+            block = queue.peek()
+            st = self._state[block.block_id]
+            if st[1] <= 0:
+                return block
+            queue.remove(block)
+            if from_small:
+                st[1], st[2] = 0, True
+            else:
+                st[1] -= 1
+            self._latest += 1
+            self._main.push(block, self._latest)
+
+    def pop(self) -> KVBlock:
+        block = self.peek()
+        st = self._state.pop(block.block_id)
+        (self._main if st[2] else self._small).remove(block)
+        if not st[2] and block.block_hash is not None:
+            self._ghost[block.block_hash] = None
+            if len(self._ghost) > self._ghost_size:
+                self._ghost.popitem(last=False)
+        return block
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main)
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        yield from self._small
+        yield from self._main
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block in self._small or block in self._main
+
+
+class ARCPolicy(EvictionPolicy):
+    """ARC (Megiddo & Modha, FAST'03) over the evictable blocks: T1 holds blocks not hit since
+    they were cached, T2 blocks hit at least once, each least recently used first; ghosts B1
+    and B2 remember hashes evicted from each. Recomputing a block whose hash is in B1 grows the
+    target size ``p`` of T1, one in B2 shrinks it; eviction takes from T1 while it is over
+    ``p``. O(log n)."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = max(1, capacity)
+        self.p = 0.0
+        self._t1 = KeyedQueue()
+        self._t2 = KeyedQueue()
+        self._b1: OrderedDict[BlockHash, None] = OrderedDict()
+        self._b2: OrderedDict[BlockHash, None] = OrderedDict()
+        self._seen: dict[int, int] = {}  # block_id -> cached_at of content already adapted on
+
+    def _queue(self, block: KVBlock) -> KeyedQueue:
+        return self._t2 if block.num_hits else self._t1
+
+    def add(self, block: KVBlock) -> None:
+        if self._seen.get(block.block_id) != block.cached_at:  # first free of this content
+            self._seen[block.block_id] = block.cached_at
+            h = block.block_hash
+            if h in self._b1:
+                self.p = min(float(self.capacity), self.p + max(1.0, len(self._b2) / len(self._b1)))
+                del self._b1[h]  # type: ignore[arg-type]
+            elif h in self._b2:
+                self.p = max(0.0, self.p - max(1.0, len(self._b1) / len(self._b2)))
+                del self._b2[h]  # type: ignore[arg-type]
+        self._queue(block).push(block, block.last_used)
+
+    def remove(self, block: KVBlock) -> None:
+        self._queue(block).remove(block)
+
+    def peek(self) -> KVBlock:
+        if len(self._t1) and (len(self._t1) > self.p or not len(self._t2)):
+            return self._t1.peek()
+        return self._t2.peek()
+
+    def pop(self) -> KVBlock:
+        block = self.peek()
+        queue = self._queue(block)
+        queue.remove(block)
+        self._seen.pop(block.block_id, None)
+        ghosts = self._b1 if queue is self._t1 else self._b2
+        if block.block_hash is not None:
+            ghosts[block.block_hash] = None
+            if len(ghosts) > self.capacity:
+                ghosts.popitem(last=False)
+        return block
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        yield from self._t1
+        yield from self._t2
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block in self._t1 or block in self._t2
+
+
+class WeightedPolicy(_HeapPolicy):
+    """GreedyDual-Size-Frequency over the evictable blocks: a block's value is
+    ``L + weight * uses * cost``, the lowest value is evicted and ``L`` rises to it (so old
+    values age without rescans). ``uses`` is 1 + its prefix hits; ``cost`` the attention work
+    to recompute it, ``1 + depth * block_size / cost_context`` (a deep block attends to more);
+    ``weight`` is ``2 ** -priority`` of the most important request that cached or hit it (a
+    priority -1 tenant's prefixes are worth twice a priority 0 one's). O(log n)."""
+
+    name = "weighted"
+
+    def __init__(self, block_size: int = 16, cost_context: int = 4096) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.cost_context = cost_context
+        self.inflation = 0.0
+
+    def value(self, block: KVBlock) -> float:
+        weight = 2.0 ** -max(-16, min(16, block.priority))
+        cost = 1.0 + block.depth * self.block_size / self.cost_context
+        return weight * (1 + block.num_hits) * cost
+
+    def key(self, block: KVBlock):
+        return (self.inflation + self.value(block), block.last_used)
+
+    def pop(self) -> KVBlock:
+        self.inflation = self._queue.peek_entry()[0][0]
+        return self._queue.pop()
+
+
 class BeladyPolicy(_HeapPolicy):
-    """Offline optimum (upper bound): evict the block whose next use is farthest in the future.
+    """Offline optimum (upper bound): evict the block whose next use is farthest in the future,
+    ties toward the deepest block (a chain's tail), so no chain keeps a tail whose head is gone.
 
     ``next_use(hash)`` comes from an oracle that knows the whole trace (the simulator); whoever
     advances the oracle must call ``update`` for queued blocks whose next use changed.
@@ -202,17 +386,31 @@ class BeladyPolicy(_HeapPolicy):
 
     def key(self, block: KVBlock):
         assert block.block_hash is not None
-        return (-self.next_use(block.block_hash), -block.last_used)
+        return (-self.next_use(block.block_hash), -block.depth, -block.last_used)
 
 
-POLICIES = {"lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy}
+POLICIES = ("lru", "fifo", "lfu", "s3fifo", "arc", "weighted")
+"""The online policies, in the engine and the simulator; ``belady`` (the offline optimum) is the
+simulator's only."""
 
 
-def make_policy(name: str, next_use: Callable[[BlockHash], float] | None = None) -> EvictionPolicy:
+def make_policy(name: str, next_use: Callable[[BlockHash], float] | None = None, capacity: int = 1024,
+                block_size: int = 16) -> EvictionPolicy:
+    """``capacity``: the pool's blocks (sizes the ghost lists of s3fifo and arc)."""
     if name == "belady":
         if next_use is None:
             raise ValueError("eviction_policy 'belady' needs a next-use oracle (simulator only)")
         return BeladyPolicy(next_use)
-    if name not in POLICIES:
-        raise ValueError(f"eviction_policy must be one of {sorted([*POLICIES, 'belady'])}, got {name!r}")
-    return POLICIES[name]()
+    if name == "lru":
+        return LRUPolicy()
+    if name == "fifo":
+        return FIFOPolicy()
+    if name == "lfu":
+        return LFUPolicy()
+    if name == "s3fifo":
+        return S3FIFOPolicy(capacity)
+    if name == "arc":
+        return ARCPolicy(capacity)
+    if name == "weighted":
+        return WeightedPolicy(block_size)
+    raise ValueError(f"eviction_policy must be one of {[*POLICIES, 'belady']}, got {name!r}")

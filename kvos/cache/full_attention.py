@@ -99,7 +99,7 @@ class FullAttentionManager:
         num_full = min(upto // self.block_size, len(hashes), len(table))
         start = self._num_cached.get(seq.request_id, 0)
         for i in range(start, num_full):
-            self.pool.cache_full_block(table[i], hashes[i], hashes[i - 1] if i else root)
+            self.pool.cache_full_block(table[i], hashes[i], hashes[i - 1] if i else root, i, seq.priority)
         if num_full > start:
             self._num_cached[seq.request_id] = num_full
 

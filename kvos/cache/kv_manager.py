@@ -60,7 +60,8 @@ class KVCacheManager:
             elif sliding and (policy or "lru") == "lru":
                 pol = HitProtectedLRUPolicy()  # keep the windows that end shared prefixes
             else:
-                pol = make_policy(policy or "lru", next_use)
+                pol = make_policy(policy or "lru", next_use, capacity=num_blocks * layout.blocks_per_large_page(g),
+                                  block_size=layout.block_size)
             pool = BlockPool(enable_caching=enable_caching, counters=self.counters, policy=pol, pages=self.pages,
                              per_page=layout.blocks_per_large_page(g), group=g, clock=clock,
                              chain_order=not sliding)
@@ -201,7 +202,7 @@ class KVCacheManager:
         elif sum((n + r) * m.spec.page_bytes for n, r, m in zip(needs, revived, self.managers)) > self.free_bytes():
             return False
         for pool, h in zip(self.pools, hits):
-            pool.touch(h, hit=True)
+            pool.touch(h, hit=True, priority=seq.priority)
         fresh: list[list[KVBlock]] = []
         try:
             for pool, m, h, n in zip(self.pools, self.managers, hits, needs):
@@ -242,7 +243,7 @@ class KVCacheManager:
         """Bytes that allocation could use now: free large pages plus every group's plain free
         and evictable blocks."""
         return (self.pages.num_free() * self.layout.large_page_bytes
-                + sum((len(p.plain_free) + len(p.evictor)) * m.spec.page_bytes
+                + sum((len(p.plain_free) + p.num_evictable()) * m.spec.page_bytes
                       for p, m in zip(self.pools, self.managers)))
 
     def cache_blocks(self, seq: CacheableSequence, num_tokens: int | None = None) -> None:
@@ -294,7 +295,7 @@ class KVCacheManager:
         referenced block, ``cached`` pages only cached content, ``free`` pages nothing."""
         if len(self.pools) == 1 and self.pools[0].per_page == 1:
             pool = self.pools[0]
-            cached = len(pool.evictor)
+            cached = pool.num_evictable()
             total, free = self.pages.num_usable, self.pages.num_free()
             return CacheUsage(total=total, free=free, cached=cached, used=total - free - cached)
         referenced: set[int] = set()

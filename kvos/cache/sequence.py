@@ -15,6 +15,9 @@ class CacheableSequence(Protocol):
     all_token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
+    priority: int
+    """Lower is more important (as the scheduler orders); the weighted eviction policy values a
+    block by the most important request that cached or hit it."""
 
     @property
     def num_tokens(self) -> int: ...

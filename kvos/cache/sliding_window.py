@@ -73,7 +73,7 @@ class SlidingWindowManager(FullAttentionManager):
             if block.is_null:
                 continue
             if block.block_hash is None and i < len(hashes):
-                self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else root)
+                self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else root, i, seq.priority)
             table[i] = null
             self.pool.free_blocks([block])
         self._num_skipped[seq.request_id] = first

@@ -92,7 +92,7 @@ class LLMEngine:
                              f"{config.kv_layout!r} has {len(self.layout.groups)} (use kv_layout='homogeneous')")
         model_id = model_fingerprint(path, self.kv_cache_dtype, config.random_weights)
         self.kv = KVCacheManager(self.layout, num_blocks, model_id=model_id,
-                                 enable_caching=config.enable_prefix_caching)
+                                 enable_caching=config.enable_prefix_caching, policy=config.eviction_policy)
         self.runner.allocate_kv_cache(self.layout, num_blocks)
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
@@ -165,6 +165,9 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n is {params.n}; max_num_seqs is {self.config.max_num_seqs}, so its sequences "
+                             f"could never run together")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")

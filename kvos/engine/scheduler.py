@@ -129,9 +129,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self._waiting or self.loading)
 
+    def _seats(self, req: Request) -> int:
+        """Sequences ``req`` counts against ``max_num_seqs``: all ``n`` of a prompt that has not
+        forked yet (its forks join ``running`` at the end of its prompt), else one."""
+        n = req.sampling_params.n
+        return n if n > 1 and not req.forked and not req.num_output_tokens else 1
+
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if self._seats(req) > self.config.max_num_seqs:
+            raise ValueError(f"n={req.sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}: "
+                             f"its sequences could never run together")
         self.requests[req.request_id] = req
         req.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (self._key(req), req))
@@ -205,14 +214,17 @@ class Scheduler:
         if not preempted:
             if self.config.policy == "lpm":
                 self._order_by_prefix_match()
-            while (self._waiting and budget > 0
-                   and len(self.running) + len(self.loading) < self.config.max_num_seqs):
+            seats = sum(self._seats(r) for r in self.running) + sum(self._seats(r) for r in self.loading.values())
+            while self._waiting and budget > 0:
                 _, req = self._waiting[0]
+                if seats + self._seats(req) > self.config.max_num_seqs:
+                    break  # room is kept for every fork of an admitted n > 1 prompt
                 if req.num_pending:
                     break  # preempted with a token in flight: it is known by the next schedule
                 if req.swapped_tokens:
                     if not self._swap_in(req, budget):
                         break
+                    seats += self._seats(req)
                     scheduled[req.request_id] = self._scheduled(req, min(req.num_tokens - req.num_computed_tokens, budget))
                     budget -= scheduled[req.request_id].num_new_tokens
                     continue
@@ -227,6 +239,7 @@ class Scheduler:
                         break
                     if load is not None:
                         loads.append(load)
+                        seats += self._seats(req)
                         continue
                 num_new = min(req.num_tokens - hit_tokens, budget)
                 if not self.kv.allocate_slots(req, num_new, hit_blocks):
@@ -245,6 +258,7 @@ class Scheduler:
                     self.kv.counters.recomputed_tokens += req.max_computed_tokens - hit_tokens
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                seats += self._seats(req)
                 scheduled[req.request_id] = self._scheduled(req, num_new)
                 budget -= num_new
 

@@ -5,6 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kvos.cache.eviction import POLICIES
+
 EXAMPLES = """examples:
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks unlimited --json
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 2000 --eviction-policy belady
@@ -57,7 +59,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cache-tokens", type=int, default=None, help="pool size in tokens (not for a hybrid --model)")
     c.add_argument("--cache-gb", type=float, default=None,
                    help="pool size in GiB of KV for --model (all its KV heads; --kv-dtype)")
-    c.add_argument("--eviction-policy", default="lru", choices=["lru", "fifo", "lfu", "belady"])
+    c.add_argument("--eviction-policy", default="lru", choices=[*POLICIES, "belady"],
+                   help="belady: the offline optimum (an upper bound; it reads the whole trace)")
     c.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm", "priority"])
     c.add_argument("--allocator", default="paged", choices=["paged", "contiguous"])
     c.add_argument("--max-model-len", type=int, default=None, help="contiguous reservation per request")

@@ -127,7 +127,8 @@ class Simulator:
             self.kv = KVCacheManager(layout, num_blocks, SIM_MODEL_ID, config.enable_prefix_caching,
                                      config.eviction_policy)
         else:
-            policy = make_policy(config.eviction_policy, self._next_use if config.eviction_policy == "belady" else None)
+            policy = make_policy(config.eviction_policy, self._next_use if config.eviction_policy == "belady" else None,
+                                 capacity=num_blocks, block_size=bs)
             self.kv = KVCacheManager(layout or spec, num_blocks, SIM_MODEL_ID, config.enable_prefix_caching, policy)
             if isinstance(policy, BeladyPolicy):
                 self._build_oracle()
@@ -169,7 +170,6 @@ class Simulator:
         first: dict[str, float] = {}
         done: dict[str, float] = {}
         hit_blocks = total_blocks = hit_tokens = prompt_tokens = 0
-        seen_trace_ids: set[int] = set()
         util_tokens = util_slots = 0
         by_bytes = cfg.layout is not None and cfg.allocator == "paged"  # utilisation and waste in bytes
         waste_sum, waste_steps = 0.0, 0
@@ -210,7 +210,7 @@ class Simulator:
                     req._counted = True  # type: ignore[attr-defined]
                     i = index_of[req.request_id]
                     tr = trace[i]
-                    hb, tb = self._block_hits(req, tr, seen_trace_ids)
+                    hb, tb = self._block_hits(req, tr)
                     hit_blocks += hb
                     total_blocks += tb
                     hit_tokens += req.num_cached_tokens
@@ -258,18 +258,13 @@ class Simulator:
             report["group_peak_blocks"] = group_peak
         return report
 
-    def _block_hits(self, req: Request, tr: TraceRequest, seen: set[int]) -> tuple[int, int]:
-        """Leading prompt blocks resident when the request is first scheduled (no last-token
-        cap). With a Mooncake trace at its own 512-token block size, counted over the trace's
-        blocks, a trailing partial block counting as hit when its id was computed before."""
+    def _block_hits(self, req: Request, tr: TraceRequest) -> tuple[int, int]:
+        """Leading prompt blocks the cache serves when the request is first scheduled (no
+        last-token cap), over its blocks (a Mooncake trace at its own 512-token block size:
+        over the trace's ``hash_ids``, whose trailing partial block the cache never holds)."""
         full_hit = self.kv.longest_hit_tokens(req, req.num_prompt_tokens) // self.cfg.block_size
         if tr.hash_ids is not None and self.cfg.block_size == MOONCAKE_BLOCK:
-            n_full = tr.input_len // MOONCAKE_BLOCK
-            hits = full_hit
-            if hits == n_full and len(tr.hash_ids) > n_full and tr.hash_ids[n_full] in seen:
-                hits += 1
-            seen.update(tr.hash_ids)
-            return hits, len(tr.hash_ids)
+            return full_hit, len(tr.hash_ids)
         return full_hit, math.ceil(req.num_prompt_tokens / self.cfg.block_size)
 
     def _report(self, arrival, first, done, clock, steps, wall, hit_blocks, total_blocks, hit_tokens,

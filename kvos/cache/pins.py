@@ -1,0 +1,102 @@
+"""Pinned prefixes: cached full blocks that a pin holds a reference on, so no policy evicts them.
+
+Pure Python (no torch). A pin is a reference like a running request's: while pinned a block is
+``used``, never offered to the eviction policy, and still shared by prefix hits. Pins have an
+id, a tenant (the cache salt, so one tenant's pin serves only that tenant), an optional expiry
+on a caller-supplied clock, and count against a cap of the pool's blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvos.cache.block import KVBlock
+from kvos.cache.kv_manager import KVCacheManager
+from kvos.cache.sequence import CacheableSequence
+
+
+@dataclass
+class Pin:
+    pin_id: str
+    cache_salt: str | None
+    blocks: list[KVBlock]
+    num_tokens: int
+    expires_at: float | None  # on the registry's clock; None: until unpinned
+
+    def describe(self) -> dict:
+        return {"pin_id": self.pin_id, "pinned_tokens": self.num_tokens, "pinned_blocks": len(self.blocks),
+                "expires_at": self.expires_at}
+
+
+class PinnedPrefixes:
+    """Pins over one single-group ``KVCacheManager``.
+
+    Invariants: every block of a live pin has ``ref_cnt >= 1`` from that pin; the distinct blocks
+    of all pins are at most ``max_blocks``. Safety rule: call ``expire`` from the thread that
+    owns the manager (the engine's), like every other manager call.
+    """
+
+    def __init__(self, kv: KVCacheManager, max_fraction: float) -> None:
+        if kv.num_groups != 1:
+            raise ValueError("pinned prefixes need a single cache group (this model's layout has "
+                             f"{kv.num_groups}; use kv_layout='homogeneous')")
+        self.kv = kv
+        self.max_blocks = int(max_fraction * kv.pool.num_usable_blocks)
+        self.pins: dict[str, Pin] = {}
+        self._holders: dict[int, int] = {}  # block_id -> number of pins holding it
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._holders)
+
+    def pin(self, pin_id: str, seq: CacheableSequence, now: float, ttl_s: float | None) -> Pin:
+        """Pin the cached full blocks of ``seq``'s tokens (the whole prefix must be cached:
+        compute it first). Re-pinning an id replaces the old pin (a new expiry)."""
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        hashes = self.kv.block_hashes(seq)
+        blocks = self.kv.managers[0].find_longest_hit(hashes, len(hashes))
+        if len(blocks) < len(hashes):
+            raise ValueError(f"prompt: only {len(blocks) * self.kv.block_size} of its "
+                             f"{len(hashes) * self.kv.block_size} full-block tokens are cached; compute it first")
+        if not blocks:
+            raise ValueError(f"prompt: a pin needs at least one full block ({self.kv.block_size} tokens)")
+        old = self.pins.get(pin_id)
+        held = set(self._holders)
+        if old is not None:
+            held -= {b.block_id for b in old.blocks if self._holders[b.block_id] == 1}
+        new_total = len(held | {b.block_id for b in blocks})
+        if new_total > self.max_blocks:
+            raise ValueError(f"prompt: pinning {len(blocks)} blocks would hold {new_total} pinned blocks, over the "
+                             f"cap of {self.max_blocks} (max_pinned_fraction of {self.kv.pool.num_usable_blocks})")
+        self.kv.pool.touch(blocks)
+        for b in blocks:
+            self._holders[b.block_id] = self._holders.get(b.block_id, 0) + 1
+        if old is not None:
+            self._release(old)
+        pin = Pin(pin_id, seq.cache_salt, blocks, len(blocks) * self.kv.block_size,
+                  None if ttl_s is None else now + ttl_s)
+        self.pins[pin_id] = pin
+        return pin
+
+    def unpin(self, pin_id: str) -> bool:
+        pin = self.pins.pop(pin_id, None)
+        if pin is None:
+            return False
+        self._release(pin)
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Drop the pins whose time is up; returns their ids."""
+        gone = [p.pin_id for p in self.pins.values() if p.expires_at is not None and p.expires_at <= now]
+        for pin_id in gone:
+            self.unpin(pin_id)
+        return gone
+
+    def _release(self, pin: Pin) -> None:
+        for b in pin.blocks:
+            left = self._holders[b.block_id] - 1
+            if left:
+                self._holders[b.block_id] = left
+            else:
+                del self._holders[b.block_id]
+        self.kv.pool.free_blocks(reversed(pin.blocks))
