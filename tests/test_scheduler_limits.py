@@ -52,6 +52,8 @@ workload_st = st.fixed_dictionaries({
     "max_num_batched_tokens": st.integers(8, 256),
     "max_num_seqs": st.integers(1, 8),
     "policy": st.sampled_from(["fcfs", "priority", "lpm"]),
+    "preemption_order": st.sampled_from(["latest", "least_progress"]),
+    "fairness_steps": st.integers(1, 12),
     "enable_caching": st.booleans(),
     "seed": st.integers(0, 2**16),
     "requests": st.lists(request_st, min_size=1, max_size=10),
@@ -111,6 +113,10 @@ def check_step(sched: Scheduler, out: SchedulerOutput, before: dict[str, tuple[R
             assert s.start == computed, (rid, s.start, computed)
         else:  # just admitted: it starts after a prefix hit of whole cached blocks of its own tokens
             assert status == RequestStatus.WAITING and computed == 0, (rid, status, computed)
+            if cfg.policy == "lpm":  # fairness: no earlier arrival still waits past its bound
+                for _, w in sched._waiting:
+                    if (w.arrival, w.sample_index) < (req.arrival, req.sample_index):
+                        assert sched.num_steps - w.queued_at_step < cfg.fairness_steps, (w.request_id, rid)
             assert s.start % bs == 0 and s.start < num_tokens, (rid, s.start)
             hashes = kv.block_hashes(req)
             table = kv.block_tables(rid)[0]
@@ -120,6 +126,13 @@ def check_step(sched: Scheduler, out: SchedulerOutput, before: dict[str, tuple[R
         assert bool(s.samplers) == (s.start + s.num_new_tokens == num_tokens), (rid, s.samplers)
     for r in out.preempted:
         assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 0
+    if cfg.preemption_order == "least_progress" and out.preempted:  # lowest priority, then least progress lost
+        first = out.preempted[0]
+        for r in sched.running:
+            if r.priority > first.priority:
+                raise AssertionError(f"{first.request_id} preempted before lower-priority {r.request_id}")
+            if r.priority == first.priority:
+                assert before[r.request_id][1] >= before[first.request_id][1], (first.request_id, r.request_id)
     # 4. blocks
     check_block_accounting(sched)
 
@@ -141,7 +154,8 @@ def run_workload(w: dict) -> None:
     prefixes = [[rng.randrange(VOCAB) for _ in range(300)] for _ in range(3)]
     num_blocks = 1 + max(2, -(-w["pool_tokens"] // bs))  # block 0 is the null block
     kv = KVCacheManager(FullAttentionSpec(bs, 1, 1, 1), num_blocks, "m", w["enable_caching"], "lru")
-    cfg = SchedulerConfig(w["max_num_batched_tokens"], w["max_num_seqs"], w["policy"])
+    cfg = SchedulerConfig(w["max_num_batched_tokens"], w["max_num_seqs"], w["policy"],
+                          w.get("preemption_order", "latest"), w.get("fairness_steps", 64))
     sched = Scheduler(cfg, kv)
     capacity = kv.capacity_tokens(cfg.max_num_batched_tokens)
 
@@ -252,6 +266,8 @@ pressure_st = st.fixed_dictionaries({  # many short requests, a tiny pool: preem
     "max_num_batched_tokens": st.integers(8, 64),
     "max_num_seqs": st.integers(4, 8),
     "policy": st.sampled_from(["fcfs", "priority", "lpm"]),
+    "preemption_order": st.sampled_from(["latest", "least_progress"]),
+    "fairness_steps": st.integers(1, 12),
     "enable_caching": st.booleans(),
     "seed": st.integers(0, 2**16),
     "requests": st.lists(st.builds(Spec, arrival=st.integers(0, 4), prompt_len=st.integers(1, 40),
@@ -298,3 +314,34 @@ def test_n_above_max_num_seqs_is_rejected():
         sched.add_request(Request("a", [1, 2, 3], SamplingParams(n=3)))
     assert not sched.requests and not sched.has_unfinished()
     sched.add_request(Request("b", [1, 2, 3], SamplingParams(n=2)))
+
+
+@pytest.mark.parametrize("fairness_steps", [2, 5])
+def test_lpm_admits_a_request_overtaken_for_fairness_steps(fairness_steps):
+    """A prompt with no cached prefix waits behind a stream of later arrivals that all hit the
+    cache. LPM alone would admit every one of them first; the bound admits it as soon as it has
+    waited ``fairness_steps`` steps and a seat is free."""
+    kv = KVCacheManager(FullAttentionSpec(4, 1, 1, 1), 200, "m")
+    sched = Scheduler(SchedulerConfig(64, 1, "lpm", fairness_steps=fairness_steps), kv)
+    shared = list(range(100, 140))
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def run_step() -> list[str]:
+        out = sched.schedule()
+        admitted = [s.request.request_id for s in out.seqs if s.start < s.request.num_prompt_tokens]
+        sched.update_from_output(out, {t.request_id: 7 for s in out.seqs for t in s.samplers})
+        return admitted
+
+    sched.add_request(Request("warm", shared + [1], params))
+    while sched.has_unfinished():
+        run_step()
+    sched.add_request(Request("cold", list(range(500, 540)), params))
+    queued = sched.num_steps
+    admitted_at = None
+    for i in range(30):
+        sched.add_request(Request(f"hit{i}", shared + [2 + i], params))
+        if "cold" in run_step():
+            admitted_at = sched.num_steps
+            break
+    assert admitted_at is not None, "the cold request starved"
+    assert admitted_at - queued <= fairness_steps + 1

@@ -97,7 +97,8 @@ class LLMEngine:
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.scheduling_policy), self.kv)
+                                                   config.scheduling_policy, config.preemption_order,
+                                                   config.fairness_steps), self.kv)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None

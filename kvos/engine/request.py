@@ -57,6 +57,7 @@ class Request:
     stop_reason: int | str | None = None
     forked: bool = False
     num_pending: int = 0
+    queued_at_step: int = 0  # the scheduler step at which it last joined the waiting queue
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -16,6 +16,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     policy: str = "fcfs"  # "priority": lower ``priority`` value first; "lpm": longest cached prefix first
+    preemption_order: str = "latest"
+    """Victim when blocks run out: lowest priority (highest value; under "priority" only), then the
+    latest arrival ("latest"); or lowest priority, then the least progress lost, i.e. fewest
+    computed tokens ("least_progress")."""
+    fairness_steps: int = 64
+    """lpm: a request waiting this many steps goes ahead of every later arrival."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -24,6 +30,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.policy not in ("fcfs", "priority", "lpm"):
             raise ValueError(f"policy must be 'fcfs', 'priority' or 'lpm', got {self.policy!r}")
+        if self.preemption_order not in ("latest", "least_progress"):
+            raise ValueError(f"preemption_order must be 'latest' or 'least_progress', got {self.preemption_order!r}")
+        if self.fairness_steps < 1:
+            raise ValueError(f"fairness_steps must be >= 1, got {self.fairness_steps}")
 
 
 @dataclass
@@ -118,6 +128,7 @@ class Scheduler:
         """Given the block hashes after a device hit, how many leading ones the tiers below hold."""
         self.swapper: Swapper | None = None
         """Set for preemption by swap: a victim's computed blocks go to host memory and come back."""
+        self.num_steps = 0
 
     # -- queue management ----------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, int, int]:
@@ -143,6 +154,7 @@ class Scheduler:
                              f"its sequences could never run together")
         self.requests[req.request_id] = req
         req.status = RequestStatus.WAITING
+        req.queued_at_step = self.num_steps
         heapq.heappush(self._waiting, (self._key(req), req))
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -177,10 +189,18 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
+        req.queued_at_step = self.num_steps
         self.kv.counters.preemptions += 1
         heapq.heappush(self._waiting, (self._key(req), req))
 
+    def _victim_key(self, req: Request) -> tuple:
+        """The running sequence with the largest key is preempted first."""
+        if self.config.preemption_order == "least_progress":
+            return (req.priority, -req.num_computed_tokens, req.arrival, req.sample_index)
+        return self._key(req)
+
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[Request] = []
@@ -197,7 +217,7 @@ class Scheduler:
                 if len(self.running) == 1:  # alone and still too big: the pool can never hold it
                     self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                     break
-                victim = max(self.running, key=self._key)
+                victim = max(self.running, key=self._victim_key)
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id).num_new_tokens
                 self._preempt(victim)
@@ -335,15 +355,24 @@ class Scheduler:
     LPM_WINDOW = 256
 
     def _order_by_prefix_match(self) -> None:
-        """Longest-prefix-match first (SGLang's cache-aware order), among the oldest
-        ``LPM_WINDOW`` waiting requests; ties and the rest stay first come, first served."""
+        """Longest-prefix-match first (SGLang's cache-aware order) among the oldest
+        ``LPM_WINDOW`` waiting requests; ties and the rest stay first come, first served. A
+        request that has waited ``fairness_steps`` steps goes ahead of all (oldest first), so
+        no request waits longer than that behind later arrivals while it could be admitted."""
         if len(self._waiting) < 2:
             return
-        entries = sorted(self._waiting, key=lambda e: e[0][1:])
+        entries = sorted(self._waiting, key=lambda e: (e[1].arrival, e[1].sample_index))
         head, tail = entries[: self.LPM_WINDOW], entries[self.LPM_WINDOW:]
-        keyed = [((0 if r.needs_all_prompt_positions else -self.kv.longest_hit_tokens(r, r.num_tokens - 1),
-                   r.arrival, r.sample_index), r) for _, r in head]
-        keyed += [((0, r.arrival, r.sample_index), r) for _, r in tail]
+        overdue = self.num_steps - self.config.fairness_steps
+
+        def key(r: Request, hit: int) -> tuple:
+            if r.queued_at_step <= overdue:
+                return (0, 0, r.arrival, r.sample_index)  # overdue: first come, first served
+            return (1, -hit, r.arrival, r.sample_index)
+
+        keyed = [(key(r, 0 if r.needs_all_prompt_positions else self.kv.longest_hit_tokens(r, r.num_tokens - 1)), r)
+                 for _, r in head]
+        keyed += [(key(r, 0), r) for _, r in tail]
         heapq.heapify(keyed)
         self._waiting = keyed
 

@@ -62,6 +62,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--eviction-policy", default="lru", choices=[*POLICIES, "belady"],
                    help="belady: the offline optimum (an upper bound; it reads the whole trace)")
     c.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm", "priority"])
+    c.add_argument("--fairness-steps", type=int, default=64,
+                   help="lpm: a request waiting this many steps goes ahead of later arrivals")
+    c.add_argument("--preemption-order", default="latest", choices=["latest", "least_progress"])
     c.add_argument("--allocator", default="paged", choices=["paged", "contiguous"])
     c.add_argument("--max-model-len", type=int, default=None, help="contiguous reservation per request")
     c.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -145,9 +148,12 @@ def build(a: argparse.Namespace):
             raise ValueError(f"cache_blocks must be a number or 'unlimited', got {a.cache_blocks!r}") from None
     if blocks is not None and blocks < 2:
         raise ValueError(f"cache_blocks must be at least 2, got {blocks}")
-    cfg = SimConfig(a.block_size, blocks, a.eviction_policy, a.scheduling_policy, a.allocator,
-                    a.max_num_batched_tokens, a.max_num_seqs, a.max_model_len, a.time_scale,
-                    not a.no_prefix_caching, layout)
+    cfg = SimConfig(block_size=a.block_size, num_blocks=blocks, eviction_policy=a.eviction_policy,
+                    scheduling_policy=a.scheduling_policy, allocator=a.allocator,
+                    max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                    max_model_len=a.max_model_len, time_scale=a.time_scale,
+                    enable_prefix_caching=not a.no_prefix_caching, layout=layout,
+                    preemption_order=a.preemption_order, fairness_steps=a.fairness_steps)
     return cfg, cost
 
 

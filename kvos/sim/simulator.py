@@ -42,6 +42,8 @@ class SimConfig:
     layout: CacheLayout | None = None
     """A model's cache layout (``kvos.cache.layout.build_layout``: several groups for a hybrid
     model); None: the abstract spec of one layer (every token costs one slot)."""
+    preemption_order: str = "latest"  # see SchedulerConfig
+    fairness_steps: int = 64  # see SchedulerConfig
 
     def __post_init__(self) -> None:
         if self.allocator not in ("paged", "contiguous"):
@@ -133,7 +135,8 @@ class Simulator:
             if isinstance(policy, BeladyPolicy):
                 self._build_oracle()
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.scheduling_policy), self.kv)
+                                                   config.scheduling_policy, config.preemption_order,
+                                                   config.fairness_steps), self.kv)
         self.schedule_hook = None  # called with each SchedulerOutput (tests compare with the engine)
 
     # -- Belady's oracle: the requests (by arrival index) that will use each block hash ----
