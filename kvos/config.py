@@ -70,6 +70,9 @@ class EngineConfig:
         "help": "lpm: a request overtaken by later arrivals for this many steps goes first"})
     eviction_policy: str = field(default="lru", metadata={
         "choices": EVICTION_POLICIES, "help": "which unreferenced cached block is evicted first"})
+    eviction_lookahead: int = field(default=256, metadata={
+        "help": "cached prefixes that the next N waiting requests will hit are evicted last, the one wanted "
+                "farthest back in the queue first (0: off)"})
     preemption_order: str = field(default="latest", metadata={
         "choices": PREEMPTION_ORDERS,
         "help": "preemption victim: lowest priority, then the latest arrival (latest) or the one losing the "
@@ -121,6 +124,8 @@ class EngineConfig:
                               ("preemption_order", PREEMPTION_ORDERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.eviction_lookahead, int) or self.eviction_lookahead < 0:
+            raise ValueError(f"eviction_lookahead must be a non-negative integer, got {self.eviction_lookahead!r}")
         if not isinstance(self.fairness_steps, int) or self.fairness_steps < 1:
             raise ValueError(f"fairness_steps must be a positive integer, got {self.fairness_steps!r}")
         if not 0 <= self.max_pinned_fraction <= 1:

@@ -88,3 +88,38 @@ def test_engine_outputs_unchanged_under_every_policy(make_llm, reference, policy
     assert [o.outputs[0].token_ids for o in outs] == ref
     stats = llm.engine.kv.counters
     assert stats.evictions > 0 and stats.prefix_hits_tokens > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("protect", [True, False])
+def test_blocks_a_waiting_request_will_hit_are_evicted_last(policy, protect):
+    """vLLM RFC #48485's case: a running request needs one cached block evicted while W, next
+    in the queue, is about to hit the oldest cached prefix X. LRU alone would evict X's tail;
+    with the waiting queue's demand held back, another block goes and W hits all of X."""
+    from kvos.cache.spec import FullAttentionSpec
+    from kvos.cache.kv_manager import KVCacheManager
+    from kvos.engine.request import Request
+    from kvos.engine.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(FullAttentionSpec(4, 1, 1, 1), 10, "m", policy=policy)  # 9 usable blocks of 4
+    sched = Scheduler(SchedulerConfig(64, 1, eviction_lookahead=8 if protect else 0), kv)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def run(*reqs: Request) -> None:
+        for r in reqs:
+            sched.add_request(r)
+        while sched.has_unfinished():
+            out = sched.schedule()
+            sched.update_from_output(out, {t.request_id: 7 for s in out.seqs for t in s.samplers})
+
+    x = list(range(100, 108))
+    run(Request("X", x + [1], params))  # caches X0, X1
+    run(Request("Y", list(range(200, 208)) + [1], params))  # caches Y0, Y1, used after X
+    r = Request("R", list(range(300, 322)), params)  # 6 blocks: 5 plain free, one eviction
+    w = Request("W", x + [2, 3, 4, 5], params)
+    run(r, w)
+    assert kv.counters.evictions >= 1
+    if protect:
+        assert w.num_cached_tokens == 8
+    elif policy in ("lru", "fifo", "weighted"):
+        assert w.num_cached_tokens == 4  # alone, these evict X's tail (oldest, equal value)

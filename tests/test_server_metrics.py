@@ -108,3 +108,36 @@ def test_preemption_is_counted_once_and_changes_no_token(server, llm):
     assert end["preemptions"] - start["preemptions"] == 1
     assert end["length"] - start["length"] == 2
     assert end["prompt"] - start["prompt"] == 100 and end["generated"] - start["generated"] == 300
+
+
+def test_pinned_prefix_survives_a_flood_through_the_api(server):
+    """POST /v1/cache/pins keeps a prefix's blocks through traffic that evicts everything else;
+    the pin is listed, deleted once (then 404), and one over the cap is a 400 naming it."""
+    import httpx
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    system = token_prompt(7, 5 * BLOCK)
+    r = httpx.post(f"{server.url}/v1/cache/pins", json={"prompt": system, "ttl_s": 120}, timeout=60)
+    assert r.status_code == 200, r.text
+    pin = r.json()
+    assert pin["pinned_tokens"] == 5 * BLOCK and pin["pinned_blocks"] == 5 and 0 < pin["expires_in_s"] <= 120
+    before = server.metric("kvos:kv_cache_evictions_total")
+    for seed in (8, 9):  # each fills the pool: everything not pinned is evicted
+        client.completions.create(model=MODEL, prompt=token_prompt(seed, 25 * BLOCK), max_tokens=1)
+    assert server.metric("kvos:kv_cache_evictions_total") > before
+    hit = client.completions.create(model=MODEL, prompt=system + token_prompt(10, BLOCK), max_tokens=1)
+    assert hit.usage.prompt_tokens_details.cached_tokens == 5 * BLOCK
+    listed = httpx.get(f"{server.url}/v1/cache/pins").json()["data"]
+    assert [p["id"] for p in listed] == [pin["id"]]
+    assert httpx.delete(f"{server.url}/v1/cache/pins/{pin['id']}").json()["deleted"] is True
+    gone = httpx.delete(f"{server.url}/v1/cache/pins/{pin['id']}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "pin_not_found"
+    for seed in (11, 12):
+        client.completions.create(model=MODEL, prompt=token_prompt(seed, 25 * BLOCK), max_tokens=1)
+    after = client.completions.create(model=MODEL, prompt=system + token_prompt(13, BLOCK), max_tokens=1)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0  # unpinned, it went with the rest
+    big = httpx.post(f"{server.url}/v1/cache/pins", json={"prompt": token_prompt(14, 25 * BLOCK)}, timeout=60)
+    assert big.status_code == 400 and "max_pinned_fraction" in big.json()["error"]["message"]
+    assert big.json()["error"]["param"] == "prompt"
+    bad = httpx.post(f"{server.url}/v1/cache/pins", json={"prompt": system, "ttl_s": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttl_s"

@@ -1,6 +1,7 @@
 """One cache group's blocks: reference counts, the prefix index and eviction order."""
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
@@ -71,7 +72,15 @@ class BlockPool:
         self._parked: dict[int, KVBlock] = {}
         """Unreferenced cached blocks waiting for their unreferenced cached children."""
         self._free_children: dict[BlockHash, int] = {}
-        """Per parent hash: its unreferenced cached children (in the policy or parked)."""
+        """Per parent hash: its unreferenced cached children (in the policy, parked or held)."""
+        self._held: dict[int, KVBlock] = {}
+        """Evictable blocks taken out of the policy for this step because a waiting request will
+        hit them; evicted only once the policy has nothing left, farthest in the queue first."""
+        self._held_order: list[tuple[int, int, int]] = []  # heap of (-rank, -depth, block id)
+        self._demand_rank: dict[int, int] = {}  # block id -> queue position of its first waiting user
+        self._held_unoffered: set[int] = set()  # held straight from parked: never in the policy yet
+        self.before_evict: Callable[[], None] | None = None
+        """Called before this group evicts (the manager holds what waiting requests will hit)."""
         self.index = index if index is not None else PrefixIndex()
         self.counters = counters if counters is not None else CacheCounters()
         self.clock = clock if clock is not None else LogicalClock()
@@ -91,7 +100,7 @@ class BlockPool:
 
     def num_evictable(self) -> int:
         """Unreferenced cached blocks: in the policy or parked behind their children."""
-        return len(self.evictor) + len(self._parked)
+        return len(self.evictor) + len(self._parked) + len(self._held)
 
     def num_free_blocks(self) -> int:
         """Blocks this group can take now without evicting another group's content."""
@@ -100,6 +109,7 @@ class BlockPool:
     def is_free(self, block: KVBlock) -> bool:
         """Unreferenced: plain free, evictable, or in a large page no group holds."""
         return (block.prev_free is not None or block in self.evictor or block.block_id in self._parked
+                or block.block_id in self._held
                 or self.pages.owner[block.block_id // self.per_page] != self.group)
 
     def is_parked(self, block: KVBlock) -> bool:
@@ -135,13 +145,56 @@ class BlockPool:
                 return block
             if self._split_page():
                 continue
+            if self.before_evict is not None:
+                self.before_evict()
             if self.reclaim is not None:
                 if not self.reclaim(self):
                     return None
             elif len(self.evictor):
                 self.evict(self.evictor.pop())
-            else:
+            elif not self.evict_held():
                 return None
+
+    def hold(self, blocks: Iterable[KVBlock], rank: int) -> None:
+        """The ``rank``-th waiting request will hit ``blocks``: take the evictable ones out of the
+        policy until ``release_held`` (a parked one is held when its children go)."""
+        for block in blocks:
+            if block.ref_cnt or block.block_hash is None or block.is_null or block.block_id in self._demand_rank:
+                continue
+            self._demand_rank[block.block_id] = rank
+            if block.block_id not in self._parked:
+                self.evictor.remove(block)
+                self._hold(block)
+
+    def _hold(self, block: KVBlock) -> None:
+        self._held[block.block_id] = block
+        heapq.heappush(self._held_order, (-self._demand_rank[block.block_id], -block.depth, block.block_id))
+
+    def _pop_held(self) -> KVBlock:
+        """The held block whose first waiting user is farthest back (deepest first)."""
+        while True:
+            _, _, block_id = heapq.heappop(self._held_order)
+            block = self._held.pop(block_id, None)
+            if block is not None:
+                return block
+
+    def evict_held(self) -> bool:
+        """Evict the held block wanted farthest in the future; False if none is held."""
+        if not self._held:
+            return False
+        self.evict(self._pop_held())
+        return True
+
+    def release_held(self) -> None:
+        for block in self._held.values():
+            if block.block_id in self._held_unoffered:
+                self.evictor.add(block)
+            else:
+                self.evictor.restore(block)
+        self._held.clear()
+        self._held_unoffered.clear()
+        self._held_order.clear()
+        self._demand_rank.clear()
 
     def _take_near(self, near: KVBlock | None) -> KVBlock | None:
         """A plain free block in the large page of ``near`` (a block of the same request), so
@@ -222,7 +275,8 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
-                    if self._parked.pop(block.block_id, None) is None:
+                    if (self._parked.pop(block.block_id, None) is None
+                            and self._held.pop(block.block_id, None) is None):
                         self.evictor.remove(block)
                     self._child_left(block)
                 else:
@@ -264,7 +318,9 @@ class BlockPool:
             self._free_children[parent_hash] = self._free_children.get(parent_hash, 0) + 1
             parent = self.index.get(parent_hash)
             if parent is not None and parent.ref_cnt == 0 and parent.block_id not in self._parked:
-                self.evictor.remove(parent)  # a chain built on another copy of the parent's content
+                # a chain built on another copy of the parent's content
+                if self._held.pop(parent.block_id, None) is None:
+                    self.evictor.remove(parent)
                 self._parked[parent.block_id] = parent
 
     def _child_left(self, block: KVBlock) -> None:
@@ -280,7 +336,11 @@ class BlockPool:
         del self._free_children[parent_hash]
         parent = self.index.get(parent_hash)
         if parent is not None and self._parked.pop(parent.block_id, None) is not None:
-            self.evictor.add(parent)
+            if parent.block_id in self._demand_rank:
+                self._hold(parent)
+                self._held_unoffered.add(parent.block_id)
+            else:
+                self.evictor.add(parent)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash, depth: int = 0,
                          priority: int = 0) -> None:

@@ -27,6 +27,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def remove(self, block: KVBlock) -> None: ...
 
+    def restore(self, block: KVBlock) -> None:
+        """Put back a block taken out with ``remove`` and not used meanwhile (held for a
+        waiting request): as if it had never left."""
+        self.add(block)
+
     @abstractmethod
     def pop(self) -> KVBlock: ...
 
@@ -235,6 +240,9 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def remove(self, block: KVBlock) -> None:
         (self._main if self._state[block.block_id][2] else self._small).remove(block)
+
+    def restore(self, block: KVBlock) -> None:
+        (self._main if self._state[block.block_id][2] else self._small).push(block, block.last_used)
 
     def peek(self) -> KVBlock:
         """Runs the queues' lazy moves (they change no cached content) up to the next victim."""

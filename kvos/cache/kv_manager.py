@@ -2,6 +2,8 @@
 group of one pool."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool, LogicalClock
 from kvos.cache.eviction import EvictionPolicy, HitProtectedLRUPolicy, make_policy
@@ -66,9 +68,15 @@ class KVCacheManager:
                              per_page=layout.blocks_per_large_page(g), group=g, clock=clock,
                              chain_order=not sliding)
             pool.reclaim = self._reclaim
+            pool.before_evict = self._protect_demand
             self.pools.append(pool)
             self.managers.append(MANAGERS[group.spec.kind](group.spec, pool))
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
+        self.demand: Callable[[], Iterable[CacheableSequence]] | None = None
+        """Set by the scheduler for one step: the waiting sequences, in queue order, whose cached
+        prefixes are evicted last, farthest in the queue first (vLLM RFC #48485's idea, with the
+        queue position as a known next use). Read lazily, at the step's first eviction."""
+        self._demand_held = False
         self._hashes: dict[str, list[BlockHash]] = {}
         self._roots: dict[str, BlockHash] = {}
         self._tokens: dict[str, int] = {}
@@ -226,8 +234,8 @@ class KVCacheManager:
         for pool in self.pools:
             if len(pool.evictor) and (best is None or pool.evictor.peek().last_used < best.evictor.peek().last_used):
                 best = pool
-        if best is None:
-            return False
+        if best is None:  # only blocks that waiting requests will hit are left
+            return needing.evict_held() or any(pool.evict_held() for pool in self.pools)
         block = best.evictor.pop()
         block_hash = block.block_hash
         best.evict(block)
@@ -238,6 +246,25 @@ class KVCacheManager:
                     m.pool.evictor.remove(twin)
                     m.pool.evict(twin)
         return True
+
+    def _protect_demand(self) -> None:
+        if self.demand is None or self._demand_held or not self.enable_caching:
+            return
+        self._demand_held = True
+        for rank, seq in enumerate(self.demand()):
+            hashes = self.block_hashes(seq)
+            bound = (seq.num_tokens - 1) // self.block_size
+            for m in self.managers:
+                if m.pool.chain_order:  # full attention (sliding blocks are evicted by their own rule)
+                    m.pool.hold(m.find_longest_hit(hashes, bound), rank)
+
+    def end_step(self) -> None:
+        """Forget the step's demand: held blocks go back to their policies."""
+        self.demand = None
+        if self._demand_held:
+            self._demand_held = False
+            for pool in self.pools:
+                pool.release_held()
 
     def free_bytes(self) -> int:
         """Bytes that allocation could use now: free large pages plus every group's plain free

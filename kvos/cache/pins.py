@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvos.cache.block import KVBlock
+from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.kv_manager import KVCacheManager
-from kvos.cache.sequence import CacheableSequence
 
 
 @dataclass
@@ -48,18 +48,20 @@ class PinnedPrefixes:
     def num_pinned_blocks(self) -> int:
         return len(self._holders)
 
-    def pin(self, pin_id: str, seq: CacheableSequence, now: float, ttl_s: float | None) -> Pin:
-        """Pin the cached full blocks of ``seq``'s tokens (the whole prefix must be cached:
-        compute it first). Re-pinning an id replaces the old pin (a new expiry)."""
+    def pin(self, pin_id: str, token_ids: list[int], cache_salt: str | None, now: float,
+            ttl_s: float | None) -> Pin:
+        """Pin the cached full blocks of ``token_ids`` for ``cache_salt``'s tenant (all of them
+        must be cached: compute the prompt first). Re-pinning an id replaces its pin."""
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        hashes = self.kv.block_hashes(seq)
+        hashes: list = []
+        extend_block_hashes(hashes, token_ids, self.kv.block_size, root_hash(self.kv.model_id, cache_salt))
+        if not hashes:
+            raise ValueError(f"prompt: a pin needs at least one full block ({self.kv.block_size} tokens)")
         blocks = self.kv.managers[0].find_longest_hit(hashes, len(hashes))
         if len(blocks) < len(hashes):
             raise ValueError(f"prompt: only {len(blocks) * self.kv.block_size} of its "
                              f"{len(hashes) * self.kv.block_size} full-block tokens are cached; compute it first")
-        if not blocks:
-            raise ValueError(f"prompt: a pin needs at least one full block ({self.kv.block_size} tokens)")
         old = self.pins.get(pin_id)
         held = set(self._holders)
         if old is not None:
@@ -73,7 +75,7 @@ class PinnedPrefixes:
             self._holders[b.block_id] = self._holders.get(b.block_id, 0) + 1
         if old is not None:
             self._release(old)
-        pin = Pin(pin_id, seq.cache_salt, blocks, len(blocks) * self.kv.block_size,
+        pin = Pin(pin_id, cache_salt, blocks, len(blocks) * self.kv.block_size,
                   None if ttl_s is None else now + ttl_s)
         self.pins[pin_id] = pin
         return pin

@@ -79,6 +79,23 @@ class LLM:
         bar.close()
         return [done[i] for i in ids]
 
+    def pin_prefix(self, prompt, ttl_s: float | None = None, cache_salt: str | None = None,
+                   pin_id: str | None = None) -> dict:
+        """Compute ``prompt``'s KV and pin its full blocks (never evicted while pinned) for
+        ``cache_salt``'s tenant, until ``unpin_prefix(pin_id)`` or ``ttl_s`` seconds. Returns
+        ``{"pin_id", "pinned_tokens", "pinned_blocks", "expires_at"}`` (``time.monotonic``
+        clock). Raises ValueError past ``max_pinned_fraction`` of the pool."""
+        done: list = []
+        self.engine.pin_prefix(prompt, ttl_s, cache_salt, pin_id, on_done=done.append)
+        while not done and self.engine.has_unfinished_requests():
+            self.engine.step()
+        if isinstance(done[0], Exception):
+            raise done[0]
+        return done[0].describe()
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        return self.engine.unpin_prefix(pin_id)
+
     def stats(self) -> dict:
         return self.engine.stats()
 

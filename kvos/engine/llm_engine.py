@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import build_layout
+from kvos.cache.pins import Pin, PinnedPrefixes
 from kvos.config import EngineConfig
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
@@ -27,6 +30,15 @@ from kvos.model.loader import (
 from kvos.model.runner import LaunchedStep, ModelRunner, parse_dtype
 
 PromptType = str | list[int] | dict
+
+
+@dataclass
+class _PendingPin:
+    pin_id: str
+    token_ids: list[int]
+    cache_salt: str | None
+    ttl_s: float | None
+    on_done: Callable[[Pin | Exception], None] | None
 
 
 @dataclass
@@ -98,7 +110,7 @@ class LLMEngine:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.scheduling_policy, config.preemption_order,
-                                                   config.fairness_steps), self.kv)
+                                                   config.fairness_steps, config.eviction_lookahead), self.kv)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -115,6 +127,9 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}
         self._ids = itertools.count()
+        self.pins = (PinnedPrefixes(self.kv, config.max_pinned_fraction)
+                     if config.enable_prefix_caching and self.kv.num_groups == 1 else None)
+        self._pending_pins: dict[str, _PendingPin] = {}  # compute request id -> pin to take
         self.schedule_hook = None
         """Called with each step's SchedulerOutput before it runs (tests compare the simulator)."""
 
@@ -205,6 +220,44 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    # -- pinned prefixes -----------------------------------------------------------------
+    def pin_prefix(self, prompt: PromptType, ttl_s: float | None = None, cache_salt: str | None = None,
+                   pin_id: str | None = None, on_done: Callable[[Pin | Exception], None] | None = None) -> str:
+        """Compute ``prompt``'s KV (a one-token request, hitting what is cached) and pin its full
+        blocks for ``cache_salt``'s tenant until ``unpin_prefix`` or ``ttl_s`` seconds: no
+        eviction policy takes them meanwhile. The pin is taken when that request finishes;
+        ``on_done`` then gets the ``Pin`` or the error (e.g. over ``max_pinned_fraction``)."""
+        if self.pins is None:
+            raise ValueError("pinned prefixes need prefix caching and a single cache group "
+                             "(enable_prefix_caching, kv_layout='homogeneous' for hybrid models)")
+        if ttl_s is not None and (not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        _, ids = self.tokenize_prompt(prompt)
+        if len(ids) < self.kv.block_size:
+            raise ValueError(f"prompt is {len(ids)} tokens; a pin holds whole blocks of {self.kv.block_size}")
+        pin_id = pin_id or f"pin-{uuid.uuid4().hex}"
+        rid = self.add_request({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1),
+                               request_id=f"{pin_id}#compute", cache_salt=cache_salt)
+        self._pending_pins[rid] = _PendingPin(pin_id, ids, cache_salt, ttl_s, on_done)
+        return pin_id
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        """Release a pin (its blocks become evictable again); False if there is none."""
+        return self.pins is not None and self.pins.unpin(pin_id)
+
+    def _take_pins(self, finished_ids: list[str]) -> None:
+        for rid in finished_ids:
+            pending = self._pending_pins.pop(rid, None)
+            if pending is None:
+                continue
+            try:
+                result: Pin | Exception = self.pins.pin(pending.pin_id, pending.token_ids, pending.cache_salt,
+                                                        time.monotonic(), pending.ttl_s)  # type: ignore[union-attr]
+            except ValueError as e:
+                result = e
+            if pending.on_done is not None:
+                pending.on_done(result)
+
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, then finish one: the same step, or with async
@@ -212,6 +265,8 @@ class LLMEngine:
         Returns outputs of requests that changed."""
         if self.offload is not None:
             self.offload.install_ready()
+        if self.pins is not None and self.pins.pins:
+            self.pins.expire(time.monotonic())
         out = self.scheduler.schedule()
         if self.schedule_hook is not None:
             self.schedule_hook(out)
@@ -262,6 +317,8 @@ class LLMEngine:
                 self._groups.pop(group.request_id, None)
                 for seq in group.seqs.values():
                     self._seq_group.pop(seq.request_id, None)
+        if self._pending_pins:
+            self._take_pins([o.request_id for o in outputs if o.finished])
         return outputs
 
     def _record(self, group: _Group, seq: Request, st) -> None:

@@ -22,6 +22,11 @@ class SchedulerConfig:
     computed tokens ("least_progress")."""
     fairness_steps: int = 64
     """lpm: a request waiting this many steps goes ahead of every later arrival."""
+    eviction_lookahead: int = 256
+    """Cached prefixes that the next this-many waiting requests will hit are evicted only when
+    nothing else is left, the one wanted farthest back in the queue first (vLLM RFC #48485's
+    idea; the queue gives their next use). It changes which cached block goes, never admission.
+    0: off."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -32,6 +37,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs', 'priority' or 'lpm', got {self.policy!r}")
         if self.preemption_order not in ("latest", "least_progress"):
             raise ValueError(f"preemption_order must be 'latest' or 'least_progress', got {self.preemption_order!r}")
+        if self.eviction_lookahead < 0:
+            raise ValueError(f"eviction_lookahead must be >= 0, got {self.eviction_lookahead}")
         if self.fairness_steps < 1:
             raise ValueError(f"fairness_steps must be >= 1, got {self.fairness_steps}")
 
@@ -199,7 +206,21 @@ class Scheduler:
             return (req.priority, -req.num_computed_tokens, req.arrival, req.sample_index)
         return self._key(req)
 
+    def _waiting_head(self) -> list[Request]:
+        """The next ``eviction_lookahead`` waiting requests in queue order, after the one being
+        admitted now (still at the head; its own hits are referenced before it allocates)."""
+        return [r for _, r in heapq.nsmallest(self.config.eviction_lookahead + 1, self._waiting)
+                if not r.needs_all_prompt_positions]
+
     def schedule(self) -> SchedulerOutput:
+        if self.config.eviction_lookahead and self._waiting:
+            self.kv.demand = self._waiting_head
+        try:
+            return self._schedule()
+        finally:
+            self.kv.end_step()
+
+    def _schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}

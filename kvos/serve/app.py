@@ -23,7 +23,8 @@ from kvos.engine.sampling_params import SamplingParams
 from kvos.serve.async_engine import AsyncEngine, RequestStream
 from kvos.serve.errors import APIError, install_error_handlers
 from kvos.serve.metrics import ServerMetrics
-from kvos.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvos.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PinRequest,
+                                 TokenizeRequest)
 from kvos.serve.responses import (LogprobFormatter, chat_body, completion_body, finish_reason, prompt_text,
                                   sse, system_fingerprint, usage)
 
@@ -92,6 +93,7 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.created = int(time.time())
+        self.pin_tenants: dict[str, str | None] = {}  # pin id -> the API-key tenant that made it
         self.max_model_len: int = engine.max_model_len
         config = getattr(engine, "config", None)
         self.fingerprint = system_fingerprint(kvos.__version__, getattr(getattr(engine, "kv", None), "model_id", model_name),
@@ -187,6 +189,37 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
 
     v1 = APIRouter(prefix="/v1", dependencies=auth)
 
+    @v1.post("/cache/pins")
+    async def pin_prefix(body: PinRequest, request: Request):
+        """Pin a prefix (e.g. a system prompt) for the caller's tenant: its full blocks are
+        never evicted until ``DELETE /v1/cache/pins/{pin_id}`` or ``ttl_s`` seconds."""
+        _check_model(state, body.model)
+        if body.messages is not None:
+            prompt = {"prompt_token_ids": _chat_ids(state.tokenizer, _messages(body.messages), False, False)}
+        elif isinstance(body.prompt, list):
+            prompt = {"prompt_token_ids": body.prompt}
+        else:
+            prompt = body.prompt
+        salt = _salt(request, body.cache_salt)
+        pin = await state.async_engine.pin(prompt, body.ttl_s, salt)  # a ValueError is a 400 naming the field
+        state.pin_tenants[pin.pin_id] = getattr(request.state, "tenant", None)
+        return {"object": "cache.pin", **_pin_json(pin)}
+
+    @v1.get("/cache/pins")
+    async def list_pins(request: Request):
+        mine = _tenant_pins(state, request)
+        pins = await state.async_engine.call(lambda: [p for p in engine.pins.pins.values() if p.pin_id in mine]
+                                             if engine.pins is not None else [])
+        return {"object": "list", "data": [{"object": "cache.pin", **_pin_json(p)} for p in pins]}
+
+    @v1.delete("/cache/pins/{pin_id}")
+    async def unpin_prefix(pin_id: str, request: Request):
+        if pin_id not in _tenant_pins(state, request) or not await state.async_engine.call(
+                lambda: engine.unpin_prefix(pin_id)):
+            raise APIError(404, f"pin_id: no pin {pin_id!r}", param="pin_id", code="pin_not_found")
+        state.pin_tenants.pop(pin_id, None)
+        return {"object": "cache.pin.deleted", "id": pin_id, "deleted": True}
+
     @v1.get("/models")
     async def models():
         return {"object": "list", "data": [state.model_card()]}
@@ -275,6 +308,17 @@ def _salt(request: Request, cache_salt: str | None) -> str | None:
     if tenant is None:
         return cache_salt
     return f"{tenant}:{cache_salt or ''}"
+
+
+def _tenant_pins(state: ServerState, request: Request) -> set[str]:
+    tenant = getattr(request.state, "tenant", None)
+    return {pin_id for pin_id, t in state.pin_tenants.items() if t == tenant}
+
+
+def _pin_json(pin) -> dict:
+    left = None if pin.expires_at is None else max(0.0, pin.expires_at - time.monotonic())
+    return {"id": pin.pin_id, "pinned_tokens": pin.num_tokens, "pinned_blocks": len(pin.blocks),
+            "expires_in_s": left}
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

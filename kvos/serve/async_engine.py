@@ -6,14 +6,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvos.engine.llm_engine import LLMEngine
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvos.serve")
+T = TypeVar("T")
 
 
 @dataclass
@@ -67,6 +69,30 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id, None, None))
 
+    async def pin(self, prompt, ttl_s: float | None, cache_salt: str | None):
+        """Compute and pin a prefix on the engine thread; returns the engine's ``Pin``. Raises
+        ``ValueError`` (naming the field) if the engine refuses it."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def on_done(result) -> None:
+            if isinstance(result, Exception):
+                loop.call_soon_threadsafe(_settle, done, result)
+            else:
+                loop.call_soon_threadsafe(_resolve, done, result)
+
+        accepted = loop.create_future()
+        self._submit(("pin", (prompt, ttl_s, cache_salt, on_done), _Stream(loop, asyncio.Queue()), accepted))
+        await accepted
+        return await done
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between steps; returns its result."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(("call", fn, _Stream(loop, asyncio.Queue()), done))
+        return await done
+
     async def drain(self, timeout: float) -> None:
         """Wait until no request is in flight (graceful shutdown)."""
         end = time.monotonic() + timeout
@@ -93,6 +119,21 @@ class AsyncEngine:
                     continue
                 self._streams[rid] = stream
                 stream.loop.call_soon_threadsafe(_settle, accepted, None)
+            elif kind == "pin":
+                prompt, ttl_s, salt, on_done = arg
+                try:
+                    self.engine.pin_prefix(prompt, ttl_s, salt, on_done=on_done)
+                except Exception as e:
+                    stream.loop.call_soon_threadsafe(_settle, accepted, e)
+                    continue
+                stream.loop.call_soon_threadsafe(_settle, accepted, None)
+            elif kind == "call":
+                try:
+                    result = arg()
+                except Exception as e:
+                    stream.loop.call_soon_threadsafe(_settle, accepted, e)
+                    continue
+                stream.loop.call_soon_threadsafe(_resolve, accepted, result)
             else:
                 self.engine.abort_request(arg)
                 self._streams.pop(arg, None)
@@ -123,6 +164,11 @@ class AsyncEngine:
             self.engine.abort_request(rid)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine error: {error}"))
         self._streams.clear()
+
+
+def _resolve(fut: asyncio.Future, result) -> None:
+    if not fut.done():
+        fut.set_result(result)
 
 
 def _settle(fut: asyncio.Future, error: BaseException | None) -> None:

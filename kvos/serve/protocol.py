@@ -193,6 +193,25 @@ class TokenizeRequest(BaseModel):
         return self
 
 
+class PinRequest(BaseModel):
+    """``POST /v1/cache/pins``: a prefix (``prompt`` text or token ids, or ``messages`` rendered
+    with the chat template without the generation prompt) whose full blocks stay cached for the
+    caller's tenant until deleted or ``ttl_s`` seconds pass."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    ttl_s: Annotated[float, Field(gt=0)] | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: send exactly one of prompt (text or token ids) or messages (a chat)")
+        return self
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None

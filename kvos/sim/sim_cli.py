@@ -65,6 +65,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--fairness-steps", type=int, default=64,
                    help="lpm: a request waiting this many steps goes ahead of later arrivals")
     c.add_argument("--preemption-order", default="latest", choices=["latest", "least_progress"])
+    c.add_argument("--eviction-lookahead", type=int, default=256,
+                   help="cached prefixes the next N waiting requests will hit are evicted last (0: off)")
     c.add_argument("--allocator", default="paged", choices=["paged", "contiguous"])
     c.add_argument("--max-model-len", type=int, default=None, help="contiguous reservation per request")
     c.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -153,7 +155,8 @@ def build(a: argparse.Namespace):
                     max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                     max_model_len=a.max_model_len, time_scale=a.time_scale,
                     enable_prefix_caching=not a.no_prefix_caching, layout=layout,
-                    preemption_order=a.preemption_order, fairness_steps=a.fairness_steps)
+                    preemption_order=a.preemption_order, fairness_steps=a.fairness_steps,
+                    eviction_lookahead=a.eviction_lookahead)
     return cfg, cost
 
 

@@ -44,6 +44,7 @@ class SimConfig:
     model); None: the abstract spec of one layer (every token costs one slot)."""
     preemption_order: str = "latest"  # see SchedulerConfig
     fairness_steps: int = 64  # see SchedulerConfig
+    eviction_lookahead: int = 256  # see SchedulerConfig
 
     def __post_init__(self) -> None:
         if self.allocator not in ("paged", "contiguous"):
@@ -136,7 +137,7 @@ class Simulator:
                 self._build_oracle()
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.scheduling_policy, config.preemption_order,
-                                                   config.fairness_steps), self.kv)
+                                                   config.fairness_steps, config.eviction_lookahead), self.kv)
         self.schedule_hook = None  # called with each SchedulerOutput (tests compare with the engine)
 
     # -- Belady's oracle: the requests (by arrival index) that will use each block hash ----
@@ -285,7 +286,7 @@ class Simulator:
             "num_requests": len(self.trace), "block_size": cfg.block_size,
             "num_blocks": "unlimited" if cfg.num_blocks is None else cfg.num_blocks,
             "allocator": cfg.allocator, "eviction_policy": cfg.eviction_policy,
-            "scheduling_policy": cfg.scheduling_policy,
+            "scheduling_policy": cfg.scheduling_policy, "eviction_lookahead": cfg.eviction_lookahead,
             "block_hit_rate": hit_blocks / total_blocks if total_blocks else 0.0,
             "token_hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
             **percentiles(ttft, "ttft"), **percentiles(tpot, "tpot"), **percentiles(e2e, "e2e"),
