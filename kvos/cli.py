@@ -234,6 +234,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("steps", "steps", "time real engine steps (a calibration file for kvos simulate)", True),
     ("hybrid", "hybrid", "hybrid KV layouts side by side: 32K-request capacity, waste, long-context tok/s", True),
     ("kv-speed", "kv_speed", "KV in the model's dtype vs 8 bits: tokens held, long-context tok/s, decode roofline", True),
+    ("policies", "policies", "eviction policies vs the offline optimum on the Mooncake traces (simulated)", False),
     ("kv-quant", "kv_quant", "quantized KV accuracy vs the model's dtype: greedy agreement, logit error, perplexity", False),
 ]
 

@@ -28,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 class _Seq:
     def __init__(self, rid: str, n: int) -> None:
-        self.request_id, self.all_token_ids, self.cache_salt = rid, list(range(n)), None
+        self.request_id, self.all_token_ids, self.cache_salt, self.priority = rid, list(range(n)), None, 0
         self.num_computed_tokens = 0
 
     @property
