@@ -155,11 +155,14 @@ class BlockPool:
             elif not self.evict_held():
                 return None
 
-    def hold(self, blocks: Iterable[KVBlock], rank: int) -> None:
-        """The ``rank``-th waiting request will hit ``blocks``: take the evictable ones out of the
-        policy until ``release_held`` (a parked one is held when its children go)."""
-        for block in blocks:
-            if block.ref_cnt or block.block_hash is None or block.is_null or block.block_id in self._demand_rank:
+    def hold(self, blocks: list[KVBlock], rank: int) -> None:
+        """The ``rank``-th waiting request will hit ``blocks`` (a chain from its root): take the
+        evictable ones out of the policy until ``release_held`` (a parked one is held when its
+        children go). Call in rank order."""
+        for block in reversed(blocks):
+            if block.block_id in self._demand_rank:
+                break  # so are its ancestors: an earlier waiting request's hit holds the whole chain
+            if block.ref_cnt or block.block_hash is None or block.is_null:
                 continue
             self._demand_rank[block.block_id] = rank
             if block.block_id not in self._parked:

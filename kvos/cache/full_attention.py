@@ -128,5 +128,5 @@ class FullAttentionManager:
         return None
 
     def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request references (null placeholders excluded)."""
-        return sum(1 for b in self.tables.get(request_id, []) if not b.is_null)
+        """Blocks the request references (a full-attention table holds no null placeholder)."""
+        return len(self.tables.get(request_id, ()))

@@ -251,9 +251,12 @@ class KVCacheManager:
         if self.demand is None or self._demand_held or not self.enable_caching:
             return
         self._demand_held = True
+        bs = self.block_size
         for rank, seq in enumerate(self.demand()):
-            hashes = self.block_hashes(seq)
-            bound = (seq.num_tokens - 1) // self.block_size
+            bound = (seq.num_tokens - 1) // bs
+            hashes = self._hashes.get(seq.request_id)
+            if hashes is None or len(hashes) < bound:
+                hashes = self.block_hashes(seq)
             for m in self.managers:
                 if m.pool.chain_order:  # full attention (sliding blocks are evicted by their own rule)
                     m.pool.hold(m.find_longest_hit(hashes, bound), rank)

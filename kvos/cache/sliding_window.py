@@ -78,6 +78,10 @@ class SlidingWindowManager(FullAttentionManager):
             self.pool.free_blocks([block])
         self._num_skipped[seq.request_id] = first
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request references (null placeholders of blocks past the window excluded)."""
+        return sum(1 for b in self.tables.get(request_id, []) if not b.is_null)
+
     def fork(self, parent: CacheableSequence, child: CacheableSequence) -> None:
         super().fork(parent, child)
         self._num_skipped[child.request_id] = self._num_skipped.get(parent.request_id, 0)
