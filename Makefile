@@ -21,7 +21,7 @@ run: install  # serves the default model on 127.0.0.1:8000 and prints how to cal
 
 test: install
 	.ci/ensure-redis
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 test-gpu:  # on a CUDA machine whose python3 has torch, triton and transformers (no install step)
 	python3 -m pytest -q tests/test_kernels.py tests/test_kv_quant_kernels.py tests/test_elementwise_kernels.py tests/test_gpu.py \
