@@ -225,6 +225,29 @@ def test_backpressure_429_with_retry_after(keyed_server):
     assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
 
 
+def test_backpressure_counts_sequences_not_requests(keyed_server):
+    """#14 item 5: with --max-waiting-requests 4, one request of 64 prompts × n=16 was admitted
+    whole. Backpressure counts sequences (prompts × n): such a request is a 400 naming the field,
+    and two requests of 3 sequences each cannot both wait."""
+    headers = {"Authorization": "Bearer key-alice"}
+    big = httpx.post(f"{keyed_server.url}/v1/completions", headers=headers, timeout=60,
+                     json={"model": MODEL, "prompt": ["Hi"] * 64, "n": 16, "max_tokens": 1})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "n"
+    assert "1024 sequences" in big.json()["error"]["message"]
+    many = httpx.post(f"{keyed_server.url}/v1/completions", headers=headers, timeout=60,
+                      json={"model": MODEL, "prompt": ["Hi"] * 5, "max_tokens": 1})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "prompt"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as c:
+            body = {"model": MODEL, "prompt": ["A long story: " + "once " * 200] * 3, "max_tokens": 4}
+            return await asyncio.gather(*(c.post(f"{keyed_server.url}/v1/completions", json=body, headers=headers)
+                                          for _ in range(6)))
+
+    codes = [r.status_code for r in asyncio.run(main())]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+
+
 def test_graceful_shutdown_drains_running_requests(keyed_server):
     lines: list[str] = []
     with httpx.stream("POST", f"{keyed_server.url}/v1/completions", timeout=120,

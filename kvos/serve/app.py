@@ -231,7 +231,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _admit(state, body.model)
+        _admit(state, body.model, len(body.prompts()) * body.n, "n" if body.n > 1 else "prompt")
         prompts = _pretokenize(state, body.prompts())
         for p in prompts:
             _check_length(state, p, body.max_tokens, "max_tokens")
@@ -247,7 +247,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _admit(state, body.model)
+        _admit(state, body.model, body.n, "n")
         ids = chat_prompt_ids(state.tokenizer, _messages(body.messages))
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
@@ -327,11 +327,16 @@ def _check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _admit(state: ServerState, model: str | None) -> None:
+def _admit(state: ServerState, model: str | None, num_seqs: int, param: str) -> None:
+    """Backpressure in sequences (prompts × ``n``), not requests: past ``max_waiting`` sequences
+    waiting for their first token, 429; a request that alone is larger, 400 naming ``param``."""
     if state.draining:
         raise APIError(503, "server is shutting down", "service_unavailable", code="draining")
     _check_model(state, model)
-    if state.async_engine.num_pending >= state.max_waiting:
+    if num_seqs > state.max_waiting:
+        raise APIError(400, f"{param}: this request makes {num_seqs} sequences (prompts × n), more than the "
+                       f"server queues at once ({state.max_waiting}, --max-waiting-requests)", param=param)
+    if state.async_engine.num_pending + num_seqs > state.max_waiting:
         state.metrics.rejected.labels("429").inc()
         raise APIError(429, f"too many waiting requests ({state.max_waiting}); retry later",
                        "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})

@@ -39,7 +39,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvos-engine", daemon=True)
-        self.num_pending = 0  # submitted, no output yet (event-loop thread only)
+        self.num_pending = 0  # sequences submitted with no output yet (event-loop thread only)
 
     def start(self) -> None:
         self._thread.start()
@@ -57,14 +57,14 @@ class AsyncEngine:
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
         self._submit(("add", (prompt, params, request_id, priority, cache_salt), stream, accepted))
-        self.num_pending += 1
+        self.num_pending += params.n  # every sequence counts (a prompt forks into n)
         try:
             await accepted
         except BaseException:
-            self.num_pending -= 1
+            self.num_pending -= params.n
             self.abort(request_id)  # covers cancellation after the engine already took it
             raise
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, params.n)
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id, None, None))
@@ -184,8 +184,9 @@ class RequestStream:
     """Cumulative outputs of one accepted request. ``aclose`` (or leaving ``async for`` early)
     aborts it if unfinished, freeing its blocks at once."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream, num_seqs: int = 1) -> None:
         self.engine = engine
+        self.num_seqs = num_seqs
         self.request_id = request_id
         self._stream = stream
         self.arrival = time.monotonic()
@@ -196,7 +197,7 @@ class RequestStream:
     def _got_output(self) -> None:
         if self._pending:
             self._pending = False
-            self.engine.num_pending -= 1
+            self.engine.num_pending -= self.num_seqs
             self.first_output_time = time.monotonic()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -220,6 +221,6 @@ class RequestStream:
     async def aclose(self) -> None:
         if self._pending:
             self._pending = False
-            self.engine.num_pending -= 1
+            self.engine.num_pending -= self.num_seqs
         if self.last is None or not self.last.finished:
             self.engine.abort(self.request_id)

@@ -137,7 +137,10 @@ class Simulator:
                 self._build_oracle()
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.scheduling_policy, config.preemption_order,
-                                                   config.fairness_steps, config.eviction_lookahead), self.kv)
+                                                   config.fairness_steps,
+                                                   # the optimum knows every next use: no lookahead
+                                                   0 if config.eviction_policy == "belady"
+                                                   else config.eviction_lookahead), self.kv)
         self.schedule_hook = None  # called with each SchedulerOutput (tests compare with the engine)
 
     # -- Belady's oracle: the requests (by arrival index) that will use each block hash ----
