@@ -201,7 +201,23 @@ class LFUPolicy(_HeapPolicy):
         return (block.num_hits, block.last_used)
 
 
-class S3FIFOPolicy(EvictionPolicy):
+class _TwoQueuePolicy(EvictionPolicy):
+    """A policy whose evictable blocks sit in ``self._queues``, two ``KeyedQueue`` s."""
+
+    _queues: tuple[KeyedQueue, KeyedQueue]
+
+    def __len__(self) -> int:
+        return len(self._queues[0]) + len(self._queues[1])
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        yield from self._queues[0]
+        yield from self._queues[1]
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block in self._queues[0] or block in self._queues[1]
+
+
+class S3FIFOPolicy(_TwoQueuePolicy):
     """S3-FIFO (Yang et al., SOSP'23) over the evictable blocks: a small FIFO for blocks freed
     for the first time since they were cached, a main FIFO for blocks used again, and a ghost
     FIFO of recently evicted hashes. A block leaving the small queue moves to main if it was
@@ -218,6 +234,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def __init__(self, capacity: int = 1024) -> None:
         self._small = KeyedQueue()
         self._main = KeyedQueue()
+        self._queues = (self._small, self._main)
         self._ghost: OrderedDict[BlockHash, None] = OrderedDict()
         self._ghost_size = max(1, capacity)
         self._state: dict[int, list] = {}  # block_id -> [cached_at, freq, in_main]
@@ -274,18 +291,8 @@ class S3FIFOPolicy(EvictionPolicy):
                 self._ghost.popitem(last=False)
         return block
 
-    def __len__(self) -> int:
-        return len(self._small) + len(self._main)
 
-    def __iter__(self) -> Iterator[KVBlock]:
-        yield from self._small
-        yield from self._main
-
-    def __contains__(self, block: KVBlock) -> bool:
-        return block in self._small or block in self._main
-
-
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(_TwoQueuePolicy):
     """ARC (Megiddo & Modha, FAST'03) over the evictable blocks: T1 holds blocks not hit since
     they were cached, T2 blocks hit at least once, each least recently used first; ghosts B1
     and B2 remember hashes evicted from each. Recomputing a block whose hash is in B1 grows the
@@ -299,6 +306,7 @@ class ARCPolicy(EvictionPolicy):
         self.p = 0.0
         self._t1 = KeyedQueue()
         self._t2 = KeyedQueue()
+        self._queues = (self._t1, self._t2)
         self._b1: OrderedDict[BlockHash, None] = OrderedDict()
         self._b2: OrderedDict[BlockHash, None] = OrderedDict()
         self._seen: dict[int, int] = {}  # block_id -> cached_at of content already adapted on
@@ -337,16 +345,6 @@ class ARCPolicy(EvictionPolicy):
             if len(ghosts) > self.capacity:
                 ghosts.popitem(last=False)
         return block
-
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        yield from self._t1
-        yield from self._t2
-
-    def __contains__(self, block: KVBlock) -> bool:
-        return block in self._t1 or block in self._t2
 
 
 class WeightedPolicy(_HeapPolicy):

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic), validated strictly: unknown fields are rejected."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -173,7 +173,19 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class _PromptOrMessages(BaseModel):
+    """A body that names its input once: ``prompt`` or ``messages``."""
+
+    PROMPT_KINDS: ClassVar[str]
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError(f"prompt: send exactly one of prompt ({self.PROMPT_KINDS}) or messages (a chat)")
+        return self
+
+
+class TokenizeRequest(_PromptOrMessages):
     """vLLM's ``/tokenize``: either ``prompt`` (``add_special_tokens`` defaults to true) or
     ``messages`` rendered with the chat template (``add_special_tokens`` defaults to false: the
     template holds them)."""
@@ -186,14 +198,10 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: send exactly one of prompt (a string) or messages (a chat)")
-        return self
+    PROMPT_KINDS: ClassVar[str] = "a string"
 
 
-class PinRequest(BaseModel):
+class PinRequest(_PromptOrMessages):
     """``POST /v1/cache/pins``: a prefix (``prompt`` text or token ids, or ``messages`` rendered
     with the chat template without the generation prompt) whose full blocks stay cached for the
     caller's tenant until deleted or ``ttl_s`` seconds pass."""
@@ -205,11 +213,7 @@ class PinRequest(BaseModel):
     ttl_s: Annotated[float, Field(gt=0)] | None = None
     cache_salt: str | None = None
 
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: send exactly one of prompt (text or token ids) or messages (a chat)")
-        return self
+    PROMPT_KINDS: ClassVar[str] = "text or token ids"
 
 
 class DetokenizeRequest(BaseModel):
