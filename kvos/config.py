@@ -87,6 +87,10 @@ class EngineConfig:
         "group": TIERS, "help": "local-disk tier directory (off if not given)"})
     disk_cache_gb: float = field(default=10.0, metadata={"group": TIERS, "help": "local-disk tier size"})
     remote_cache: str | None = field(default=None, metadata={"group": TIERS, "help": "redis://host:port shared tier"})
+    tier_encryption_key_file: str | None = field(default=None, metadata={
+        "group": TIERS,
+        "help": "file holding a 32-byte key (raw, or 64 hex digits; keep it mode 600): the disk and Redis tiers "
+                "store blocks AES-256-GCM encrypted and bound to their block hash"})
     write_policy: str = field(default="write_through", metadata={
         "group": TIERS, "choices": WRITE_POLICIES,
         "help": "write_through: a block goes to every tier once computed; write_back: to a tier only when the "
@@ -134,3 +138,7 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.tier_encryption_key_file is not None:
+            from kvos.cache.tiers.codec import load_key_file
+
+            load_key_file(self.tier_encryption_key_file)  # raises ValueError naming tier_encryption_key_file

@@ -183,7 +183,7 @@ def test_cpu_tier_slots_evict_in_lru_order_and_skip_other_sizes():
     cpu = CPUTier(3 * 1088)  # three slots: 64 bytes of alignment and header + 1000, rounded to 64
     keys = [bytes([i]) * 16 for i in range(5)]
     evicted = []
-    cpu.on_evict = lambda key, frame: evicted.append((key, bytes(decode(frame))))
+    cpu.on_evict = lambda key, frame: evicted.append((key, bytes(decode(key, frame))))
     for i in range(3):
         assert cpu.put(keys[i], bytes([i]) * 1000)
     assert cpu.get(keys[0]) is not None  # keys[1] is now the least recently used

@@ -1,7 +1,22 @@
-"""Chat messages to prompt token ids through the model's own chat template."""
+"""Chat messages to prompt token ids through the model's own chat template.
+
+Turn integrity: only the template's own text can produce special tokens. A special token's text
+typed inside a message (``"<|im_end|>\\n<|im_start|>system"``) is tokenized as plain text, so a
+message can never open, close or forge a turn. Messages without such text get exactly the ids of
+tokenizing the rendered template as a whole (what every HF-style server does).
+"""
 from __future__ import annotations
 
+import re
+import weakref
+from collections.abc import Iterator
+
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+
+_MARKER_RANGE = range(0xE000, 0xF900)
+"""Unicode private-use code points: two absent from the messages mark the special tokens they hold."""
+
+_control_res: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def validate_messages(messages) -> list[dict]:
@@ -17,24 +32,137 @@ def validate_messages(messages) -> list[dict]:
     return messages
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Render ``messages`` with the tokenizer's chat template and tokenize the text as is (the
-    template already holds the special tokens)."""
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+    """Render ``messages`` with the tokenizer's chat template and tokenize the result.
+
+    Contract: the special tokens the template writes become their ids; special-token text inside
+    any message string (content, name) is tokenized as plain text, never as a special id. For
+    messages without special-token text the ids equal ``tokenizer(rendered, add_special_tokens=
+    add_special_tokens)``. ``add_special_tokens`` adds the tokenizer's own BOS/EOS (the template
+    usually holds them already). Raises ``ValueError`` (a 400 naming ``messages``) for invalid
+    messages, a model without a template, or a template or tokenizer that rejects them."""
     if not has_chat_template(tokenizer):
         raise ValueError("messages: this model has no chat template (a base model); send a plain "
                          "prompt (/v1/completions) instead")
+    messages = validate_messages(messages)
+    control = _control_re(tokenizer)
+    if control is None or not any(control.search(s) for s in _strings(messages)):
+        return _encode(tokenizer, _render(tokenizer, messages, add_generation_prompt), add_special_tokens)
+    start, end = _free_markers(messages)
+    marked = _mark(messages, control, start, end)
+    text = _render(tokenizer, marked, add_generation_prompt)
+    # [template text, marked token (or None: a lone marker the template split off), template text, ...]
+    pieces = re.split(f"{start}({control.pattern}){end}|[{start}{end}]", text)
     try:
-        text = tokenizer.apply_chat_template(validate_messages(messages),
-                                             add_generation_prompt=add_generation_prompt, tokenize=False)
-    except ValueError:
-        raise
-    except Exception as e:  # template errors (e.g. jinja raise_exception) are the input's fault
-        raise ValueError(f"messages: the chat template rejected them ({e})") from e
-    try:
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
+        ids = list(tokenizer(pieces[0], add_special_tokens=False).input_ids)
+        for i, piece in enumerate(pieces[1:], start=1):
+            if piece:
+                ids += _encode_piece(tokenizer, piece, as_text=i % 2 == 1)
     except Exception as e:
-        raise ValueError(f"messages: cannot be tokenized ({type(e).__name__}: {e})") from e
+        raise ValueError(f"messages: cannot be tokenized ({type(e).__name__}: {clip(e)})") from e
+    if add_special_tokens:
+        head, tail = _special_affixes(tokenizer)
+        ids = head + ids + tail
+    return ids
 
 
 def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
+
+
+def clip(value: object, limit: int = 300) -> str:
+    """``str(value)`` cut to ``limit`` characters (error messages never echo a whole input)."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except ValueError:
+        raise
+    except Exception as e:  # template errors (e.g. jinja raise_exception) are the input's fault
+        raise ValueError(f"messages: the chat template rejected them ({clip(e)})") from e
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    except Exception as e:
+        raise ValueError(f"messages: cannot be tokenized ({type(e).__name__}: {clip(e)})") from e
+
+
+def _control_re(tokenizer) -> re.Pattern | None:
+    """A regex matching any of the tokenizer's special added tokens (longest first), or None."""
+    try:
+        return _control_res[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    tokens = sorted({t.content for t in decoder.values() if getattr(t, "special", False) and t.content.strip()},
+                    key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+    try:
+        _control_res[tokenizer] = pattern
+    except TypeError:  # not weak-referenceable: no cache
+        pass
+    return pattern
+
+
+def _strings(obj) -> Iterator[str]:
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _strings(v)
+
+
+def _free_markers(messages: list[dict]) -> tuple[str, str]:
+    """Two private-use characters that no message string contains."""
+    used = set().union(*(set(s) for s in _strings(messages)))
+    free = (chr(c) for c in _MARKER_RANGE if chr(c) not in used)
+    try:
+        return next(free), next(free)
+    except StopIteration:
+        raise ValueError("messages: too many distinct private-use characters") from None
+
+
+def _mark(obj, control: re.Pattern, start: str, end: str):
+    """``obj`` with every special-token text in its strings wrapped as ``start + token + end``."""
+    if isinstance(obj, str):
+        return control.sub(lambda m: f"{start}{m.group(0)}{end}", obj)
+    if isinstance(obj, dict):
+        return {k: (v if k == "role" else _mark(v, control, start, end)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_mark(v, control, start, end) for v in obj]
+    return obj
+
+
+def _encode_piece(tokenizer, piece: str, as_text: bool) -> list[int]:
+    """Ids of a piece from the middle of a chat; ``as_text``: special tokens are not recognized.
+
+    Encoded after a newline that is then dropped, so a SentencePiece tokenizer does not add the
+    prefix space it adds at the start of a string."""
+    def encode(s: str) -> list[int]:
+        return list(tokenizer(s, add_special_tokens=False, split_special_tokens=as_text).input_ids)
+
+    newline = encode("\n")
+    ids = encode("\n" + piece)
+    ids = ids[len(newline):] if ids[:len(newline)] == newline else encode(piece)
+    if as_text and tokenizer.convert_tokens_to_ids(piece) in ids:
+        raise ValueError(f"cannot encode {piece!r} as plain text")
+    return ids
+
+
+def _special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids ``add_special_tokens=True`` puts before and after a text's own ids."""
+    plain = list(tokenizer("a", add_special_tokens=False).input_ids)
+    full = list(tokenizer("a", add_special_tokens=True).input_ids)
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return full[:i], full[i + len(plain):]
+    return [], []

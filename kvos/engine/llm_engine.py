@@ -120,7 +120,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         hierarchy = build_hierarchy(config.cpu_cache_gb, config.disk_cache_dir, config.disk_cache_gb,
                                     config.remote_cache, config.write_policy,
-                                    pinned=self.runner.device.type == "cuda")
+                                    pinned=self.runner.device.type == "cuda",
+                                    encryption_key_file=config.tier_encryption_key_file)
         self.offload = OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler) if hierarchy else None
         if config.preemption_mode == "swap":
             self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))

@@ -6,6 +6,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from kvos.cache.block import KVBlock
 from kvos.cache.block_pool import BlockPool
 from kvos.cache.tiers import CPUTier, DiskTier, RedisTier, TierHierarchy
+from kvos.cache.tiers.codec import sealed_codec_from_file
 from kvos.engine.scheduler import PrefixLoad, Scheduler
 from kvos.engine.tier_io import LoadedBlocks, TierIO
 
@@ -13,9 +14,12 @@ GIB = 1 << 30
 
 
 def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_gb: float,
-                    remote_cache: str | None, write_policy: str, pinned: bool = False) -> TierHierarchy | None:
+                    remote_cache: str | None, write_policy: str, pinned: bool = False,
+                    encryption_key_file: str | None = None) -> TierHierarchy | None:
     """The configured tiers; ``pinned``: the CPU tier's slots are page-locked memory (the engine
-    runs on a GPU)."""
+    runs on a GPU); ``encryption_key_file`` (``EngineConfig.tier_encryption_key_file``): the disk
+    and Redis tiers seal their blocks with AES-256-GCM under that key (the CPU tier, process
+    memory, keeps plain keyed-checksum frames)."""
     tiers = []
     if cpu_cache_gb < 0 or disk_cache_gb <= 0:
         raise ValueError("cpu_cache_gb must be >= 0 and disk_cache_gb > 0")
@@ -26,10 +30,11 @@ def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_
             tiers.append(CPUTier(int(cpu_cache_gb * GIB), PinnedAllocator()))
         else:
             tiers.append(CPUTier(int(cpu_cache_gb * GIB)))
+    codec = sealed_codec_from_file(encryption_key_file if disk_cache_dir or remote_cache else None)
     if disk_cache_dir:
-        tiers.append(DiskTier(disk_cache_dir, int(disk_cache_gb * GIB)))
+        tiers.append(DiskTier(disk_cache_dir, int(disk_cache_gb * GIB), codec))
     if remote_cache:
-        tiers.append(RedisTier(remote_cache))
+        tiers.append(RedisTier(remote_cache, codec=codec))
     return TierHierarchy(tiers, write_policy) if tiers else None
 
 

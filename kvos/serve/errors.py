@@ -7,6 +7,22 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
+ECHO_LIMIT = 100
+"""At most this many characters of any user input (a model name, a field name) are echoed back."""
+
+MESSAGE_LIMIT = 2000
+"""No error message is longer (a last guard against echoing large inputs)."""
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict", "bytes"})
+"""Union-member tags pydantic puts into an error's ``loc`` (besides ``list[str]``-style ones)."""
+
+
+def clip(value: object, limit: int = ECHO_LIMIT) -> str:
+    """``str(value)``, cut to ``limit`` characters with an ellipsis: how user input is echoed."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
@@ -17,7 +33,10 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    """The OpenAI error body; ``message`` is clipped to ``MESSAGE_LIMIT`` and ``param`` to
+    ``ECHO_LIMIT`` characters."""
+    param = None if param is None else clip(param)
+    body = {"error": {"message": clip(message, MESSAGE_LIMIT), "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -27,6 +46,23 @@ def param_of_message(message: str) -> str | None:
     return head if head.replace("_", "").replace(".", "").replace("[", "").replace("]", "").isalnum() else None
 
 
+def param_of_loc(loc: tuple | list) -> str | None:
+    """The field a pydantic error's ``loc`` is about, as ``"messages.0.content"``: without the
+    ``body`` root, union-member tags (``"str"``, ``"list[str]"``, ``"TextPart"``) and, for a bad
+    dict key, the key itself (``logit_bias``, not ``logit_bias.<key>.[key]``)."""
+    parts = [x for x in loc if x != "body"]
+    if "[key]" in parts:
+        parts = parts[:max(parts.index("[key]") - 1, 0)]
+    kept = [str(x) for x in parts if isinstance(x, int) or _is_field_name(x)]
+    return ".".join(kept) or None
+
+
+def _is_field_name(part: object) -> bool:
+    text = str(part)
+    return (text not in _TYPE_TAGS and text[:1].islower() and text.replace("_", "").isalnum()
+            and text.isascii())
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -34,18 +70,23 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
+        """Every 400 names its field: the first error's ``loc`` or, for a model-level check, the
+        field its message starts with."""
         errors = e.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        if param is None and first.get("type") == "value_error":  # a model-level check names its field first
-            param = param_of_message(str(first.get("msg", "")).removeprefix("Value error, "))
         if first.get("type") == "json_invalid":
             return error_response(400, f"invalid JSON body: {first.get('msg')}", param=None, code="invalid_json")
-        if first.get("type") == "extra_forbidden":
+        loc = tuple(first.get("loc", ()))
+        param = param_of_loc(loc)
+        if first.get("type") == "extra_forbidden" and loc:  # the last part is the client's own key
+            param = ".".join(filter(None, (param_of_loc(loc[:-1]), clip(loc[-1]))))
             return error_response(400, f"Unrecognized request argument supplied: {param}", param=param)
-        detail = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: "
-                           f"{err.get('msg')}" for err in errors[:3])
+        if param is None and first.get("type") == "value_error":  # a model-level check names its field first
+            message = str(first.get("msg", "")).removeprefix("Value error, ")
+            return error_response(400, message, param=param_of_message(message))
+        details = dict.fromkeys(f"{param_of_loc(err.get('loc', ())) or 'body'}: {err.get('msg')}"
+                                for err in errors)  # union members repeat the same complaint
+        detail = "; ".join(list(details)[:3])
         return error_response(400, detail, param=param)
 
     @app.exception_handler(StarletteHTTPException)

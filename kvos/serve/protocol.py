@@ -1,13 +1,35 @@
-"""OpenAI request bodies (pydantic), validated strictly: unknown fields are rejected."""
+"""OpenAI request bodies (pydantic), validated strictly.
+
+Contract: unknown fields are rejected; scalars are never coerced (``true`` is not an integer,
+``"2"`` is not a number, ``"yes"`` is not a boolean; only an integer is accepted where a float is
+expected, as OpenAI does); floats must be finite; a model name is at most ``MODEL_NAME_MAX``
+characters. Every failure is a 400 whose ``param`` names the field (``kvos.serve.errors``)."""
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from kvos.engine.sampling_params import SamplingParams
+from kvos.serve.errors import clip
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+MODEL_NAME_MAX = 256
+ModelName = Annotated[str, Field(max_length=MODEL_NAME_MAX)]
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+"""Every request model's config: no unknown fields, no type coercion, no inf/NaN."""
+
+
+def _token_id_key(key: object) -> object:
+    """JSON object keys are strings: ``"123"`` is token id 123 (nothing else is coerced)."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+        return int(key)
+    return key
+
+
+TokenIdKey = Annotated[int, BeforeValidator(_token_id_key)]
 
 
 SEED_DOMAIN = 1 << 63
@@ -16,7 +38,7 @@ integer (OpenAI's and vLLM's range) and maps it there the same way."""
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: cumulative usage in every chunk
 
@@ -24,7 +46,7 @@ class StreamOptions(BaseModel):
 class ResponseFormat(BaseModel):
     """Only ``{"type": "text"}`` is supported (any other type is a 400 naming the field)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     type: str
 
 
@@ -38,9 +60,9 @@ class _Common(BaseModel):
     """Fields shared by both endpoints; ``top_k``, ``min_p``, ``ignore_eos``, ``cache_salt`` and
     ``priority`` are kvos (and vLLM) extensions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
-    model: str | None = None
+    model: ModelName | None = None
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -55,7 +77,7 @@ class _Common(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    logit_bias: dict[int, float] | None = None  # JSON sends the token ids as strings
+    logit_bias: dict[TokenIdKey, float] | None = None  # JSON sends the token ids as strings
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     response_format: ResponseFormat | None = None
@@ -73,7 +95,7 @@ class _Common(BaseModel):
             if any(t < 0 for t in self.logit_bias) or any(not -100 <= b <= 100 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
         if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format: JSON response formats ({self.response_format.type!r}) are "
+            raise ValueError(f"response_format: JSON response formats ({clip(repr(self.response_format.type))}) are "
                              f"not supported; only {{\"type\": \"text\"}}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
@@ -128,13 +150,13 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -156,7 +178,7 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _no_tools(self):
@@ -190,8 +212,8 @@ class TokenizeRequest(_PromptOrMessages):
     ``messages`` rendered with the chat template (``add_special_tokens`` defaults to false: the
     template holds them)."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model_config = STRICT
+    model: ModelName | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
@@ -206,8 +228,8 @@ class PinRequest(_PromptOrMessages):
     with the chat template without the generation prompt) whose full blocks stay cached for the
     caller's tenant until deleted or ``ttl_s`` seconds pass."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model_config = STRICT
+    model: ModelName | None = None
     prompt: str | list[int] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     ttl_s: Annotated[float, Field(gt=0)] | None = None
@@ -217,6 +239,6 @@ class PinRequest(_PromptOrMessages):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model_config = STRICT
+    model: ModelName | None = None
     tokens: list[int]

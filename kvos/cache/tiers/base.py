@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvos.cache.block import BlockHash
-from kvos.cache.tiers.codec import decode
+from kvos.cache.tiers.codec import PLAIN, Codec
 
 
 @dataclass
@@ -33,23 +33,28 @@ class Tier(ABC):
     """A byte store keyed by block hash, with its own capacity and LRU eviction.
 
     Thread-safe: the engine's background I/O thread and the scheduler both call it. ``get``
-    returns verified payloads only; a failed checksum is a miss (counted) and the entry is
-    dropped. Errors never propagate: a failing tier answers "miss" and counts the error.
+    returns verified payloads only: a frame is verified against the key it is read under
+    (``codec``), so a corrupt, truncated, swapped, stale-format or foreign block (or, for a
+    sealed codec, one written with another encryption key) is a miss, counted in
+    ``stats.checksum_failures``, and its entry is dropped so that ``contains`` stops claiming
+    it. Errors never propagate: a failing tier answers "miss" and counts the error.
     A payload from ``get`` may alias the tier's memory (``CPUTier``): it is valid only until the
     next ``put`` into the same tier.
     """
 
     name = "tier"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, codec: Codec = PLAIN) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"{self.name} tier capacity must be > 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.codec = codec
+        """Frames payloads bound to their key; the disk and Redis tiers may use a sealed one."""
         self.stats = TierStats()
         self.lock = threading.RLock()
         self.on_evict: Callable[[BlockHash, bytes | memoryview], None] | None = None
-        """Called with an evicted key and its frame, which is valid only during the call
-        (write-back to the next tier)."""
+        """Called with an evicted key and its frame (decode it with ``self.codec`` and that key),
+        which is valid only during the call (write-back to the next tier)."""
 
     @abstractmethod
     def contains(self, key: BlockHash) -> bool: ...
@@ -60,7 +65,8 @@ class Tier(ABC):
 
     @abstractmethod
     def _write(self, key: BlockHash, data: bytes | memoryview) -> bool:
-        """Store the frame of payload ``data``; False (counted) when skipped."""
+        """Store the frame of payload ``data`` bound to ``key`` (``self.codec``); False
+        (counted) when skipped."""
 
     @abstractmethod
     def _drop(self, key: BlockHash) -> None: ...
@@ -73,7 +79,7 @@ class Tier(ABC):
         xxh3 releases the GIL); times itself into ``stats.load_seconds``."""
         t0 = time.perf_counter()
         blob = self._read(key)
-        data = None if blob is None else decode(blob)
+        data = None if blob is None else self.codec.decode(key, blob)
         if blob is not None and data is None:
             self._drop(key)
         with self.lock:

@@ -4,12 +4,13 @@ from __future__ import annotations
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers.arena import DEFAULT_CHUNK_BYTES, Allocate, SlotArena, allocate_bytearray
 from kvos.cache.tiers.base import Tier
-from kvos.cache.tiers.codec import HEADER_SIZE, encode_into
+from kvos.cache.tiers.codec import HEADER_SIZE
 
 
 class CPUTier(Tier):
-    """Each block is one slot holding its frame (magic, checksum, length, payload), placed so
-    that the payload starts 64-byte aligned. Memory comes from ``allocate`` in chunks as the
+    """Each block is one slot holding its plain frame (magic, checksum of key and payload,
+    length, payload), placed so that the payload starts 64-byte aligned. Process memory is not
+    encrypted: the keyed checksum guards against corruption and blocks in the wrong slot. Memory comes from ``allocate`` in chunks as the
     tier fills (pinned memory when the engine runs on a GPU, so loads DMA straight from slots).
 
     The slot size is fixed by the first block stored (an engine's blocks all have one size); a
@@ -65,7 +66,7 @@ class CPUTier(Tier):
                 self.stats.evictions += 1
                 if self.on_evict is not None:  # before the slot is rewritten
                     self.on_evict(old_key, self._frame(slot))
-            encode_into(self._frame(slot), data)
+            self.codec.encode_into(self._frame(slot), key, data)
             self.arena.bind(key, slot)
         return True
 

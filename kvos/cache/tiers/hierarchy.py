@@ -5,7 +5,6 @@ import time
 
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers.base import Tier
-from kvos.cache.tiers.codec import decode
 
 WRITE_POLICIES = ("write_through", "write_back")
 
@@ -26,15 +25,18 @@ class TierHierarchy:
         self.write_policy = write_policy
         if write_policy == "write_back":
             for upper, lower in zip(tiers, tiers[1:]):
-                upper.on_evict = lambda key, blob, lower=lower: self._demote(lower, key, blob)
+                upper.on_evict = lambda key, blob, upper=upper, lower=lower: self._demote(upper, lower, key, blob)
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
 
     @staticmethod
-    def _demote(lower: Tier, key: BlockHash, blob: bytes | memoryview) -> None:
-        data = decode(blob)
-        if data is not None:
+    def _demote(upper: Tier, lower: Tier, key: BlockHash, blob: bytes | memoryview) -> None:
+        """Write an evicted frame of ``upper`` to ``lower``, only if it verifies under ``key``."""
+        data = upper.codec.decode(key, blob)
+        if data is None:
+            upper.stats.checksum_failures += 1
+        else:
             lower.put(key, data)
 
     def lookup(self, hashes: list[BlockHash]) -> int:

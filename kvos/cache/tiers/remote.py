@@ -5,21 +5,26 @@ import time
 
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers.base import Tier
-from kvos.cache.tiers.codec import encode
+from kvos.cache.tiers.codec import PLAIN, Codec
 
 
 class RedisTier(Tier):
     """Keys ``kvos:block:<hash hex>`` with an LRU bound set on the server side
     (``maxmemory`` + ``allkeys-lru`` is the operator's choice) and a client-side byte budget
     used only for reporting. When Redis is down or slow (timeouts), the tier is skipped for
-    ``retry_after_s`` and then tried again; callers only ever see misses."""
+    ``retry_after_s`` and then tried again; callers only ever see misses.
+
+    Values are frames bound to their key (``codec``): a value copied under another key, or
+    written by an engine with another encryption key, is a miss and is deleted. With a sealed
+    codec (``--tier-encryption-key-file``) the server only ever holds AES-GCM ciphertext; key
+    names (block hashes) stay visible."""
 
     name = "remote"
     PREFIX = "kvos:block:"
 
     def __init__(self, url: str, capacity_bytes: int = 1 << 40, timeout_s: float = 0.5,
-                 retry_after_s: float = 2.0) -> None:
-        super().__init__(capacity_bytes)
+                 retry_after_s: float = 2.0, codec: Codec = PLAIN) -> None:
+        super().__init__(capacity_bytes, codec)
         try:
             import redis
         except ImportError as e:  # pragma: no cover - declared dependency
@@ -53,7 +58,7 @@ class RedisTier(Tier):
         return self._call(lambda: self.client.get(self.PREFIX + key.hex()), None)
 
     def _write(self, key: BlockHash, data: bytes | memoryview) -> bool:
-        blob = encode(data)
+        blob = self.codec.encode(key, data)
         ok = self._call(lambda: self.client.set(self.PREFIX + key.hex(), blob), None)
         if ok:
             self._stored += len(blob)
