@@ -169,9 +169,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def mask_key(key: str) -> str:
+    """An API key as the banner shows it: never the key itself, at most its last 4 characters of
+    a long key (``sk-...abcd``), else ``***``."""
+    return f"{key[:3]}...{key[-4:]}" if len(key) >= 20 else "***"
+
+
 def usage_banner(host: str, port: int, model: str, api_key: str | None, chat: bool = True) -> str:
     """How to call the server: a chat example, or a plain completion for a base model (no chat
-    template)."""
+    template). The API key is masked: the banner goes to logs."""
+    api_key = mask_key(api_key) if api_key else None
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
     if chat:
         route, body = "chat/completions", f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'
@@ -206,12 +213,36 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
     name = a.served_model_name or engine.model_path.name.removesuffix(".gguf").split(".")[0]
+    from kvos.serve.limits import DrainingServer, guarded_protocol
+
     app = create_app(engine, name, api_keys=a.api_key, max_waiting=a.max_waiting_requests,
-                     warmup=not a.no_warmup, allowed_origins=a.allowed_origins)
+                     warmup=not a.no_warmup, allowed_origins=a.allowed_origins,
+                     max_request_bytes=a.max_request_bytes, shutdown_timeout_s=a.shutdown_timeout_s)
     print(usage_banner(a.host, a.port, name, (a.api_key or [None])[0], has_chat_template(engine.tokenizer)),
           flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=60)
+    protocol = guarded_protocol(a.request_timeout_s, a.max_header_bytes)
+    if protocol is None:
+        logging.getLogger("kvos.serve").warning("httptools is not installed: no --request-timeout-s, and "
+                                                "oversized headers get 400 rather than 431")
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", http=protocol or "auto",
+                            timeout_keep_alive=a.timeout_keep_alive, h11_max_incomplete_event_size=a.max_header_bytes,
+                            # streams were drained (or cut) before uvicorn's own shutdown starts
+                            timeout_graceful_shutdown=10)
+    DrainingServer(config, app.state.kvos.drain).run()
     return 0
+
+
+def _positive(tp: type) -> typing.Callable[[str], typing.Any]:
+    """An argparse type: a positive ``tp``."""
+    def parse(value: str):
+        try:
+            v = tp(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a {tp.__name__}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        return v
+    return parse
 
 
 def cmd_export_tokenizer(a: argparse.Namespace) -> int:
@@ -265,6 +296,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
                    type=lambda v: importlib.import_module("kvos.serve.app").allowed_origins_arg(v),
                    help="turn CORS on for these browser origins (comma-separated, or '*' for any); off by default")
+    from kvos.serve import limits
+
+    lg = s.add_argument_group("limits and shutdown")
+    lg.add_argument("--max-request-bytes", type=_positive(int), default=limits.DEFAULT_MAX_REQUEST_BYTES,
+                    help="request bodies larger than this get 413 before they are parsed (default: 8 MiB)")
+    lg.add_argument("--max-header-bytes", type=_positive(int), default=limits.DEFAULT_MAX_HEADER_BYTES,
+                    help="a request line plus headers larger than this gets 431 (default: 32 KiB)")
+    lg.add_argument("--request-timeout-s", type=_positive(float), default=limits.DEFAULT_REQUEST_TIMEOUT_S,
+                    help="a request whose headers and body have not all arrived this long after its first byte "
+                         "(or the connection's start) gets 408 and its connection is closed (default: 30)")
+    lg.add_argument("--timeout-keep-alive", type=_positive(float), default=5.0,
+                    help="close an idle keep-alive connection after this many seconds (default: 5)")
+    lg.add_argument("--shutdown-timeout-s", type=float, default=limits.DEFAULT_SHUTDOWN_TIMEOUT_S,
+                    help="on SIGTERM/SIGINT, wait this long for requests in flight, then end them (a stream gets an "
+                         "error event and [DONE]); /health is 503 meanwhile (default: 30)")
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
     et = sub.add_parser("export-tokenizer", help="save the model's tokenizer as a Hugging Face tokenizer folder "

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import copy
 import hashlib
+import json
 import logging
 import time
 import uuid
@@ -17,11 +18,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvos
-from kvos.engine.chat import chat_prompt_ids, has_chat_template, validate_messages
+from kvos.engine.chat import chat_prompt_ids, has_chat_template
 from kvos.engine.llm_engine import LLMEngine
 from kvos.engine.sampling_params import SamplingParams
-from kvos.serve.async_engine import AsyncEngine, RequestStream
-from kvos.serve.errors import APIError, install_error_handlers
+from kvos.serve.async_engine import AsyncEngine, EngineStopped, RequestStream
+from kvos.serve.errors import APIError, clip, error_response, install_error_handlers
+from kvos.serve.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, BodyLimitMiddleware,
+                               TokenizerPool, max_token_bytes, min_prompt_tokens)
 from kvos.serve.metrics import ServerMetrics
 from kvos.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PinRequest,
                                  TokenizeRequest)
@@ -79,7 +82,8 @@ class RequestIdMiddleware:
 
 
 class ServerState:
-    def __init__(self, engine: LLMEngine, model_name: str, api_keys: list[str], max_waiting: int) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, api_keys: list[str], max_waiting: int,
+                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
         self.model_name = model_name
@@ -89,6 +93,12 @@ class ServerState:
         # fast tokenizers are not thread-safe: the event loop gets its own instance, the engine
         # thread keeps the engine's
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        # prompts are tokenized on worker threads (each its own copy), never on the event loop or
+        # the engine thread; ``token_bytes`` bounds a text's token count from below by its size
+        self.tokenizers = TokenizerPool(engine.tokenizer, copy.deepcopy)
+        self.token_bytes = max_token_bytes(self.tokenizer)
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.num_tokenizing = 0  # sequences admitted and being tokenized (not yet in num_pending)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.ready = False
         self.draining = False
@@ -105,36 +115,75 @@ class ServerState:
 
     def _stats(self) -> dict:
         s = self.engine.stats()
-        s["waiting"] += self.async_engine.num_pending
+        s["waiting"] += self.async_engine.num_pending + self.num_tokenizing
         return s
+
+    @contextlib.contextmanager
+    def tokenizing(self, num_seqs: int):
+        """Count ``num_seqs`` admitted sequences as waiting while their prompts are tokenized (so
+        backpressure sees them before they reach the engine)."""
+        self.num_tokenizing += num_seqs
+        try:
+            yield
+        finally:
+            self.num_tokenizing -= num_seqs
+
+    async def drain(self) -> None:
+        """Graceful shutdown, idempotent: from now on ``/health`` is 503 and new work gets 503;
+        requests in flight get up to ``shutdown_timeout_s`` to finish, then are cut (a stream ends
+        with an error event and ``[DONE]``, a plain request gets 503)."""
+        self.draining = True
+        await self.async_engine.drain(timeout=self.shutdown_timeout_s)
+        if self.async_engine.num_in_flight:
+            n = await self.async_engine.cut_all(f"the server shut down before this request finished "
+                                                f"(--shutdown-timeout-s {self.shutdown_timeout_s:g})")
+            log.warning("shutdown deadline (%ss) reached; cut %d requests", self.shutdown_timeout_s, n)
+
+    def check_fits(self, text: str, param: str) -> None:
+        """400 naming ``param`` when ``text`` cannot fit the context whatever it tokenizes to
+        (its size alone proves it is at least ``max_model_len`` tokens); nothing is tokenized."""
+        n = min_prompt_tokens(text, self.token_bytes)
+        if n >= self.max_model_len:
+            raise APIError(400, f"{param} is too long: its {len(text.encode('utf-8', 'surrogatepass'))} bytes are at "
+                                f"least {n} tokens (a token is at most {self.token_bytes} bytes); max_model_len is "
+                                f"{self.max_model_len}, which leaves no room for output", param=param,
+                           code="context_length_exceeded")
 
 
 def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = None,
-               max_waiting: int = 256, warmup: bool = True, allowed_origins: list[str] | None = None) -> FastAPI:
+               max_waiting: int = 256, warmup: bool = True, allowed_origins: list[str] | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> FastAPI:
     """``allowed_origins``: turn CORS on for these origins (``["*"]``: any); off when None or
-    empty."""
+    empty. ``max_request_bytes``: larger bodies get 413. ``shutdown_timeout_s``: how long
+    shutdown waits for requests in flight before cutting them (``app.state.kvos.drain``)."""
     if engine.tokenizer is None:
         raise ValueError("model: serving needs a tokenizer; this random-weight model has none "
                          "(put tokenizer files beside its config.json)")
-    state = ServerState(engine, model_name, api_keys or [], max_waiting)
+    state = ServerState(engine, model_name, api_keys or [], max_waiting, shutdown_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.async_engine.start()
         task = asyncio.create_task(_warm_up(state) if warmup else _mark_ready(state))
         yield
-        state.draining = True
-        await state.async_engine.drain(timeout=60)
+        await state.drain()  # at once when the server's signal handler already drained
         task.cancel()
         state.async_engine.shutdown()
+        state.tokenizers.shutdown()
 
     app = FastAPI(title="kvos", version=kvos.__version__, lifespan=lifespan)
     app.state.kvos = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)  # inside CORS: a 413 is readable
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["x-request-id"], max_age=600)
     app.add_middleware(RequestIdMiddleware)  # outermost: CORS preflights get an id too
+
+    @app.exception_handler(EngineStopped)
+    async def _stopped(_: Request, e: EngineStopped):
+        return error_response(503, str(e), "service_unavailable", code="draining")
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected):
@@ -161,18 +210,20 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         """vLLM's ``/tokenize``: the ids a prompt (or a chat) becomes, and the context length."""
         _check_model(state, body.model)
         if body.messages is not None:
-            ids = _chat_ids(state.tokenizer, _messages(body.messages), body.add_generation_prompt,
-                            bool(body.add_special_tokens))
+            messages = _messages(body.messages)
+            ids = await state.tokenizers.run(lambda tok: _chat_ids(tok, messages, body.add_generation_prompt,
+                                                                   bool(body.add_special_tokens)))
         else:
+            special = body.add_special_tokens is not False
             try:
-                ids = list(state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-                           .input_ids)
+                ids = await state.tokenizers.run(lambda tok: list(tok(body.prompt, add_special_tokens=special)
+                                                                  .input_ids))
             except Exception as e:  # e.g. lone surrogates
                 raise APIError(400, f"prompt cannot be tokenized ({type(e).__name__})", param="prompt") from e
-        out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
-        return out
+        # a long prompt's answer is large: build it on the worker too, not on the event loop
+        content = await state.tokenizers.run(lambda tok: _tokenize_json(
+            ids, state.max_model_len, tok.convert_ids_to_tokens(ids) if body.return_token_strs else None))
+        return Response(content, media_type="application/json")
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest):
@@ -195,11 +246,14 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         never evicted until ``DELETE /v1/cache/pins/{pin_id}`` or ``ttl_s`` seconds."""
         _check_model(state, body.model)
         if body.messages is not None:
-            prompt = {"prompt_token_ids": _chat_ids(state.tokenizer, _messages(body.messages), False, False)}
+            messages = _messages(body.messages)
+            state.check_fits(_user_text(messages), "messages")
+            prompt = {"prompt_token_ids": await state.tokenizers.run(lambda tok: _chat_ids(tok, messages, False,
+                                                                                           False))}
         elif isinstance(body.prompt, list):
             prompt = {"prompt_token_ids": body.prompt}
         else:
-            prompt = body.prompt
+            prompt = (await _pretokenize(state, [body.prompt]))[0]
         salt = _salt(request, body.cache_salt)
         pin = await state.async_engine.pin(prompt, body.ttl_s, salt)  # a ValueError is a 400 naming the field
         state.pin_tenants[pin.pin_id] = getattr(request.state, "tenant", None)
@@ -216,7 +270,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     async def unpin_prefix(pin_id: str, request: Request):
         if pin_id not in _tenant_pins(state, request) or not await state.async_engine.call(
                 lambda: engine.unpin_prefix(pin_id)):
-            raise APIError(404, f"pin_id: no pin {pin_id!r}", param="pin_id", code="pin_not_found")
+            raise APIError(404, f"pin_id: no pin {clip(pin_id)!r}", param="pin_id", code="pin_not_found")
         state.pin_tenants.pop(pin_id, None)
         return {"object": "cache.pin.deleted", "id": pin_id, "deleted": True}
 
@@ -231,8 +285,10 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _admit(state, body.model, len(body.prompts()) * body.n, "n" if body.n > 1 else "prompt")
-        prompts = _pretokenize(state, body.prompts())
+        num_seqs = len(body.prompts()) * body.n
+        _admit(state, body.model, num_seqs, "n" if body.n > 1 else "prompt")
+        with state.tokenizing(num_seqs):
+            prompts = await _pretokenize(state, body.prompts())
         for p in prompts:
             _check_length(state, p, body.max_tokens, "max_tokens")
         params = body.sampling_params(body.max_tokens, body.logprobs)
@@ -248,7 +304,10 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _admit(state, body.model, body.n, "n")
-        ids = chat_prompt_ids(state.tokenizer, _messages(body.messages))
+        messages = _messages(body.messages)
+        state.check_fits(_user_text(messages), "messages")
+        with state.tokenizing(body.n):
+            ids = await state.tokenizers.run(lambda tok: chat_prompt_ids(tok, messages))
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         top_n = body.top_logprobs or 0
@@ -323,7 +382,7 @@ def _pin_json(pin) -> dict:
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist (this server serves `{state.model_name}`)",
+        raise APIError(404, f"The model `{clip(model)}` does not exist (this server serves `{state.model_name}`)",
                        param="model", code="model_not_found")
 
 
@@ -336,7 +395,7 @@ def _admit(state: ServerState, model: str | None, num_seqs: int, param: str) -> 
     if num_seqs > state.max_waiting:
         raise APIError(400, f"{param}: this request makes {num_seqs} sequences (prompts × n), more than the "
                        f"server queues at once ({state.max_waiting}, --max-waiting-requests)", param=param)
-    if state.async_engine.num_pending + num_seqs > state.max_waiting:
+    if state.async_engine.num_pending + state.num_tokenizing + num_seqs > state.max_waiting:
         state.metrics.rejected.labels("429").inc()
         raise APIError(429, f"too many waiting requests ({state.max_waiting}); retry later",
                        "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
@@ -350,31 +409,55 @@ def _messages(messages) -> list[dict]:
 
 
 def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
-    if not add_special_tokens:
-        return chat_prompt_ids(tokenizer, messages, add_generation_prompt)
-    if not has_chat_template(tokenizer):
-        chat_prompt_ids(tokenizer, messages)  # raises the "no chat template" error
-    try:
-        text = tokenizer.apply_chat_template(validate_messages(messages), add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-        return list(tokenizer(text, add_special_tokens=True).input_ids)
-    except ValueError:
-        raise
-    except Exception as e:
-        raise ValueError(f"messages: cannot be rendered or tokenized ({type(e).__name__}: {e})") from e
+    """The chat's prompt ids (``chat_prompt_ids``: special-token text in messages stays text);
+    ``add_special_tokens`` adds the tokenizer's BOS/EOS around them."""
+    return chat_prompt_ids(tokenizer, messages, add_generation_prompt, add_special_tokens)
 
 
-def _pretokenize(state: ServerState, prompts: list) -> list:
-    """Tokenize text prompts here, as the engine would, so their length is known before submitting
-    (and the engine thread does less). A prompt that fails is passed on as text: the engine's
-    error names what is wrong with it."""
+def _tokenize_json(ids: list[int], max_model_len: int, token_strs: list[str] | None) -> bytes:
+    """``/tokenize``'s body. Serialized in slices so that a worker thread doing it lets the others
+    (event loop, engine) take the GIL in between."""
+    def array(items: list) -> str:
+        step = 16384
+        return "[" + ",".join(json.dumps(items[i:i + step])[1:-1] for i in range(0, len(items), step)) + "]"
+
+    strs = "" if token_strs is None else f', "token_strs": {array(token_strs)}'
+    return f'{{"count": {len(ids)}, "max_model_len": {max_model_len}, "tokens": {array(ids)}{strs}}}'.encode()
+
+
+def _user_text(messages: list[dict]) -> str:
+    """The text of the user messages: chat templates render each of them whole, so a chat prompt
+    is at least as long (other roles' text may be dropped, e.g. earlier reasoning)."""
+    return "".join(m["content"] for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str))
+
+
+async def _pretokenize(state: ServerState, prompts: list) -> list:
+    """Tokenize text prompts on a worker thread, as the engine would, so the engine thread never
+    does; a prompt whose size alone proves it cannot fit the context is refused first (400 naming
+    ``prompt``, nothing tokenized), as is one that tokenizes past it. A prompt that fails to
+    tokenize, or becomes no tokens, is passed on as text: the engine's error names what is wrong
+    with it."""
+    texts = [p for p in prompts if isinstance(p, str) and p]
+    for p in texts:
+        state.check_fits(p, "prompt")
+
+    def encode(tok) -> list[list[int]]:
+        out = []
+        for p in texts:
+            try:
+                out.append(list(tok(p).input_ids))
+            except Exception:
+                out.append([])
+        return out
+
+    encoded = iter(await state.tokenizers.run(encode) if texts else [])
     out = []
     for p in prompts:
         if isinstance(p, str) and p:
-            try:
-                ids = list(state.tokenizer(p).input_ids)
-            except Exception:
-                ids = []
+            ids = next(encoded)
+            if len(ids) >= state.max_model_len:
+                raise APIError(400, f"prompt is {len(ids)} tokens; max_model_len is {state.max_model_len}, which "
+                                    f"leaves no room for output", param="prompt", code="context_length_exceeded")
             if ids:
                 p = {"prompt": p, "prompt_token_ids": ids}
         out.append(p)
@@ -463,6 +546,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, objec
         try:
             async for out in s:
                 await queue.put((i, out))
+        except Exception as e:  # the consumer raises it
+            await queue.put((i, e))
         finally:
             await queue.put((i, None))
 
@@ -473,6 +558,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, objec
             i, out = await queue.get()
             if out is None:
                 live -= 1
+            elif isinstance(out, Exception):
+                raise out
             else:
                 yield i, out
     finally:
@@ -480,6 +567,15 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, objec
             t.cancel()
         for s in streams:
             await s.aclose()
+
+
+def _error_event(e: Exception) -> dict:
+    """The SSE event that ends a stream cut short (OpenAI's error shape): 503 ``draining`` when the
+    server shut down, else an internal error."""
+    if isinstance(e, EngineStopped):
+        return {"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": "draining"}}
+    log.exception("stream failed")
+    return {"error": {"message": f"internal error: {e}", "type": "internal_error", "param": None, "code": None}}
 
 
 class _UsageMode:
@@ -536,6 +632,9 @@ async def _completion_chunks(state: ServerState, rid: str, streams: list[Request
         if mode.final:
             yield sse({**base, "choices": [], "usage": usage([last[i] for i in sorted(last)])})
         yield sse("[DONE]")
+    except Exception as e:  # cut at shutdown, or an engine error: say so and end the stream properly
+        yield sse(_error_event(e))
+        yield sse("[DONE]")
     finally:
         _observe(state, streams)
 
@@ -570,6 +669,9 @@ async def _chat_chunks(state: ServerState, rid: str, stream: RequestStream, mode
                                                     "finish_reason": reason}], **mode.field([out])})
         if mode.final and stream.last is not None:
             yield sse({**base, "choices": [], "usage": usage([stream.last])})
+        yield sse("[DONE]")
+    except Exception as e:  # cut at shutdown, or an engine error: say so and end the stream properly
+        yield sse(_error_event(e))
         yield sse("[DONE]")
     finally:
         _observe(state, [stream])

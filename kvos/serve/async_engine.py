@@ -18,6 +18,11 @@ log = logging.getLogger("kvos.serve")
 T = TypeVar("T")
 
 
+class EngineStopped(RuntimeError):
+    """The server is shutting down: the request was cut (or never taken). The message names the
+    option that set the deadline."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -38,6 +43,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stop = False
+        self._closed: str | None = None  # set by cut_all: why new requests are refused
         self._thread = threading.Thread(target=self._run, name="kvos-engine", daemon=True)
         self.num_pending = 0  # sequences submitted with no output yet (event-loop thread only)
 
@@ -53,6 +59,8 @@ class AsyncEngine:
                      cache_salt: str | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises ``ValueError`` (naming
         the field) if the engine rejects it."""
+        if self._closed is not None:
+            raise EngineStopped(self._closed)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
@@ -93,11 +101,30 @@ class AsyncEngine:
         self._submit(("call", fn, _Stream(loop, asyncio.Queue()), done))
         return await done
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not finished (read from any thread; approximate)."""
+        return len(self._streams)
+
     async def drain(self, timeout: float) -> None:
-        """Wait until no request is in flight (graceful shutdown)."""
+        """Wait until no request is in flight, or ``timeout`` seconds (graceful shutdown)."""
         end = time.monotonic() + timeout
         while self._streams and time.monotonic() < end:
             await asyncio.sleep(0.05)
+
+    async def cut_all(self, reason: str) -> int:
+        """Abort every request in flight: each stream raises ``EngineStopped(reason)``, and every
+        later ``submit`` does too. Returns how many were cut."""
+        self._closed = reason
+
+        def cut() -> int:
+            n = len(self._streams)
+            self._fail_all(EngineStopped(reason))
+            return n
+
+        if not self._thread.is_alive():
+            return 0
+        return await self.call(cut)
 
     # -- engine thread -------------------------------------------------------------------
     def _submit(self, cmd) -> None:
@@ -160,9 +187,13 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
     def _fail_all(self, error: Exception) -> None:
+        """Abort every stream; each raises ``error`` if it is an ``EngineStopped``, else a
+        ``RuntimeError`` naming it."""
+        if not isinstance(error, EngineStopped):
+            error = RuntimeError(f"engine error: {error}")
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine error: {error}"))
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
         self._streams.clear()
 
 
