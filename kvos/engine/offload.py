@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
-from kvos.cache.block import KVBlock
+from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool
 from kvos.cache.tiers import CPUTier, DiskTier, RedisTier, TierHierarchy
 from kvos.cache.tiers.codec import sealed_codec_from_file
+from kvos.engine.request import Request, RequestStatus
 from kvos.engine.scheduler import PrefixLoad, Scheduler
 from kvos.engine.tier_io import LoadedBlocks, TierIO
 
@@ -38,6 +40,41 @@ def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_
     return TierHierarchy(tiers, write_policy) if tiers else None
 
 
+@dataclass
+class _Lookup:
+    """One batched tier lookup asked for ``request`` (a waiting request) about ``hashes``."""
+
+    request: Request
+    hashes: list[BlockHash]
+    answer: Future[int]
+
+    def offset(self, hashes: list[BlockHash]) -> int | None:
+        """Where ``hashes`` (non-empty) starts in ``self.hashes``, if it is a run of them that
+        ends no later (the device hit grew meanwhile); else None. Block hashes are chained, so
+        a block's hash fixes its position."""
+        try:
+            k = self.hashes.index(hashes[0])
+        except ValueError:
+            return None
+        return k if self.hashes[k: k + len(hashes)] == hashes else None
+
+    def known(self, hashes: list[BlockHash]) -> int | None:
+        """How many leading ``hashes`` the tiers hold, as this finished lookup tells, or None
+        when it cannot: ``hashes`` must start at most the answer's count into ``self.hashes``
+        (the blocks it skips were all held below, the answer's end is still a miss)."""
+        if not hashes:
+            return 0
+        k, n = self.offset(hashes), self.count()
+        return None if k is None or k > n else min(n - k, len(hashes))
+
+    def count(self) -> int:
+        """The finished lookup's answer; a failed lookup counts as no blocks below."""
+        try:
+            return self.answer.result(timeout=0)
+        except Exception:  # a failed lookup: as if nothing were below (the prompt is computed)
+            return 0
+
+
 class OffloadManager:
     """Device-side reads and writes happen on the engine thread (block bytes are only valid
     while the pool says so); tier I/O happens on one background thread (``TierIO`` explains why
@@ -47,6 +84,13 @@ class OffloadManager:
     (write-through, all of the step's blocks in one batch) or inside the pool's eviction
     callback, before the block's new owner writes it (write-back); loaded bytes are written only
     into blocks of a request still LOADING.
+
+    Lookups (``lookup``, the scheduler's ``lower_tier_lookup``) never touch a tier on the engine
+    thread: each is one batched ``TierHierarchy.lookup`` on the I/O thread (behind the stores
+    submitted before it, so it sees them), whose answer is remembered per waiting request. A
+    remembered answer may be stale by the time the request is admitted (a tier evicted a block
+    meanwhile); that is safe because ``fetch`` stops at the first block it cannot find and
+    ``finish_loading`` counts only what was loaded: the rest of the prompt is recomputed.
     """
 
     def __init__(self, hierarchy: TierHierarchy, runner, pool: BlockPool, scheduler: Scheduler) -> None:
@@ -57,7 +101,10 @@ class OffloadManager:
         self.tier_io = TierIO(hierarchy, runner)
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-tier-io")
         self.pending: list[tuple[PrefixLoad, Future[LoadedBlocks]]] = []
-        scheduler.lower_tier_lookup = hierarchy.lookup
+        self.lookups: dict[str, _Lookup] = {}
+        """Per waiting request id: its latest lookup (answered or not). Entries of requests no
+        longer waiting are dropped at the start of each step (``install_ready``)."""
+        scheduler.lower_tier_lookup = self.lookup
         if hierarchy.write_policy == "write_through":
             pool.newly_cached = []
         else:
@@ -79,17 +126,49 @@ class OffloadManager:
             if blocks:
                 self._store(blocks, False)
 
+    def lookup(self, request: Request, hashes: list[BlockHash]) -> int | None:
+        """Engine thread, never blocks: how many leading ``hashes`` (``request``'s block hashes
+        after its device hit) the tiers hold, or None while not known yet. The first ask for a
+        request (or an ask its remembered lookup cannot answer: other hashes) submits one
+        batched lookup to the I/O thread; later asks get the remembered answer."""
+        entry = self.lookups.get(request.request_id)
+        if entry is not None and entry.request is request and hashes:
+            if not entry.answer.done():
+                if entry.offset(hashes) is not None:
+                    return None  # asked already: the answer will tell
+            else:
+                known = entry.known(hashes)
+                if known is not None:
+                    return known
+        asked = list(hashes)
+        self.lookups[request.request_id] = _Lookup(request, asked, self.io.submit(self.h.lookup, asked))
+        return None
+
+    def _forget_settled(self) -> None:
+        """Drop remembered lookups of requests that left the waiting state (admitted, finished,
+        aborted): a request waiting again later (preempted) asks anew."""
+        requests = self.scheduler.requests
+        self.lookups = {rid: e for rid, e in self.lookups.items()
+                        if e.request.status == RequestStatus.WAITING and requests.get(rid) is e.request}
+
     def dispatch(self, loads: list[PrefixLoad]) -> None:
         for load in loads:
             self.pending.append((load, self.io.submit(self.tier_io.fetch, load.hashes)))
 
     def install_ready(self, block: bool = False) -> None:
-        """Install finished loads (waiting for at least one if ``block``). A finished fetch's
-        copies are complete (``TierIO.fetch``), so installing never waits for a transfer."""
+        """Install finished loads and forget lookups of requests no longer waiting. With
+        ``block`` (nothing can run until tier I/O answers), first wait until at least one load
+        or lookup finishes; it returns at once when none is pending, and each one ends within
+        the tiers' own timeouts. A finished fetch's copies are complete (``TierIO.fetch``), so
+        installing never waits for a transfer."""
+        self._forget_settled()
+        if block:
+            waiting = [f for _, f in self.pending] + [e.answer for e in self.lookups.values()
+                                                      if not e.answer.done()]
+            if waiting:
+                wait(waiting, return_when=FIRST_COMPLETED)
         if not self.pending:
             return
-        if block:
-            wait([f for _, f in self.pending], return_when=FIRST_COMPLETED)
         still = []
         for load, fut in self.pending:
             if not fut.done():

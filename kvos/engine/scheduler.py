@@ -131,8 +131,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.loading: dict[str, Request] = {}
-        self.lower_tier_lookup: Callable[[list[bytes]], int] | None = None
-        """Given the block hashes after a device hit, how many leading ones the tiers below hold."""
+        self.lower_tier_lookup: Callable[[Request, list[bytes]], int | None] | None = None
+        """Given a waiting request and its block hashes after its device hit, how many leading
+        ones the tiers below hold, or None while that is not known yet (the request then waits,
+        as if there were no room now). Called on the engine thread: it must never block on a
+        tier (the engine's ``OffloadManager.lookup`` asks on its I/O thread and remembers)."""
         self.swapper: Swapper | None = None
         """Set for preemption by swap: a victim's computed blocks go to host memory and come back."""
         self.num_steps = 0
@@ -334,10 +337,14 @@ class Scheduler:
 
     def _admit_with_load(self, req: Request, hit_blocks, hit_tokens: int) -> PrefixLoad | None | bool:
         """If tiers below hold more of ``req``'s prefix, admit it in the LOADING state with
-        blocks for that prefix (None: nothing below; False: no room now)."""
+        blocks for that prefix (None: nothing below; False: no room now, or the tiers' answer is
+        not in yet: the request waits at the head, asked, and later ones are asked meanwhile)."""
         bs = self.kv.block_size
-        hashes = self.kv.block_hashes(req)[hit_tokens // bs: (req.num_tokens - 1) // bs]
-        extra = self.lower_tier_lookup(hashes) if hashes else 0  # type: ignore[misc]
+        hashes = self._lower_hashes(req, hit_tokens)
+        extra = self.lower_tier_lookup(req, hashes) if hashes else 0  # type: ignore[misc]
+        if extra is None:  # asked; FCFS: later requests do not overtake it meanwhile
+            self._ask_ahead(req)
+            return False
         if not extra:
             return None
         if not self.kv.allocate_slots(req, extra * bs, hit_blocks):
@@ -351,6 +358,28 @@ class Scheduler:
         table = self.kv.block_tables(req.request_id)[0]
         ids = [b.block_id for b in table[hit_tokens // bs: hit_tokens // bs + extra]]
         return PrefixLoad(req, ids, hashes[:extra])
+
+    def _lower_hashes(self, req: Request, hit_tokens: int) -> list[bytes]:
+        """``req``'s block hashes after a device hit of ``hit_tokens``, up to its last token's."""
+        bs = self.kv.block_size
+        return self.kv.block_hashes(req)[hit_tokens // bs: (req.num_tokens - 1) // bs]
+
+    LOOKUP_AHEAD = 32
+
+    def _ask_ahead(self, head: Request) -> None:
+        """While ``head``'s lookup is pending, ask (not admit) for the next waiting requests
+        that could join it, so a burst is admitted together once the answers are in rather than
+        one request a step. Their device hits may grow before they are admitted: the lookup
+        then answers from what it asked when it can, or asks again."""
+        seats = self.config.max_num_seqs - len(self.running) - len(self.loading) - self._seats(head)
+        if seats <= 0:
+            return
+        for _, r in heapq.nsmallest(min(seats, self.LOOKUP_AHEAD) + 1, self._waiting)[1:]:
+            if r is head or r.needs_all_prompt_positions or r.swapped_tokens or r.num_pending:
+                continue
+            hashes = self._lower_hashes(r, self.kv.longest_hit_tokens(r, r.num_tokens - 1))
+            if hashes:
+                self.lower_tier_lookup(r, hashes)  # type: ignore[misc]
 
     def finish_loading(self, req: Request, loaded_by_source: list[str]) -> None:
         """The first ``len(loaded_by_source)`` blocks of a PrefixLoad hold verified KV now: count

@@ -59,6 +59,12 @@ class Tier(ABC):
     @abstractmethod
     def contains(self, key: BlockHash) -> bool: ...
 
+    def contains_many(self, keys: list[BlockHash]) -> list[bool]:
+        """``contains`` of each of ``keys``, in order, in one batch: a remote tier answers in one
+        round trip (a down tier answers all False). May block on I/O: call it off the engine
+        thread (``OffloadManager.lookup``)."""
+        return [self.contains(k) for k in keys]
+
     @abstractmethod
     def _read(self, key: BlockHash) -> bytes | memoryview | None:
         """The stored frame of ``key`` (see ``codec``), or None."""

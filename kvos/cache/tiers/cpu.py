@@ -42,6 +42,11 @@ class CPUTier(Tier):
         with self.lock:
             return self.arena is not None and key in self.arena
 
+    def contains_many(self, keys: list[BlockHash]) -> list[bool]:
+        with self.lock:
+            arena = self.arena
+            return [arena is not None and k in arena for k in keys]
+
     def _read(self, key: BlockHash) -> memoryview | None:
         with self.lock:
             slot = self.arena.lookup(key) if self.arena is not None else None

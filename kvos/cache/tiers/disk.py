@@ -74,6 +74,10 @@ class DiskTier(Tier):
         with self.lock:
             return key in self._index
 
+    def contains_many(self, keys: list[BlockHash]) -> list[bool]:
+        with self.lock:
+            return [k in self._index for k in keys]
+
     def _read(self, key: BlockHash) -> bytes | None:
         with self.lock:
             if key not in self._index:

@@ -40,13 +40,19 @@ class TierHierarchy:
             lower.put(key, data)
 
     def lookup(self, hashes: list[BlockHash]) -> int:
-        """How many leading ``hashes`` some tier holds."""
-        n = 0
-        for h in hashes:
-            if not any(t.contains(h) for t in self.tiers):
+        """How many leading ``hashes`` some tier holds. One ``contains_many`` batch per tier,
+        fastest first, each asked only about the hashes from the first one no faster tier
+        holds (so a remote tier costs at most one round trip, and none when faster tiers hold
+        them all). May block on a slow tier: the engine calls it on its tier I/O thread only."""
+        held = [False] * len(hashes)
+        for tier in self.tiers:
+            first = held.index(False) if False in held else len(held)
+            ask = [i for i in range(first, len(hashes)) if not held[i]]
+            if not ask:
                 break
-            n += 1
-        return n
+            for i, there in zip(ask, tier.contains_many([hashes[i] for i in ask])):
+                held[i] = held[i] or there
+        return held.index(False) if False in held else len(held)
 
     def find(self, key: BlockHash) -> tuple[bytes | memoryview, int] | None:
         """Verified payload of ``key`` and the index of the fastest tier holding it, or None.

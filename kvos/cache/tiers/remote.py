@@ -54,6 +54,20 @@ class RedisTier(Tier):
     def contains(self, key: BlockHash) -> bool:
         return bool(self._call(lambda: self.client.exists(self.PREFIX + key.hex()), False))
 
+    def contains_many(self, keys: list[BlockHash]) -> list[bool]:
+        """One pipelined round trip of ``EXISTS`` per key (no transaction); all False while the
+        tier is down, and a timeout marks it down for ``retry_after_s``."""
+        if not keys:
+            return []
+
+        def exists_all() -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.PREFIX + key.hex())
+            return [bool(n) for n in pipe.execute()]
+
+        return self._call(exists_all, [False] * len(keys))
+
     def _read(self, key: BlockHash) -> bytes | None:
         return self._call(lambda: self.client.get(self.PREFIX + key.hex()), None)
 
