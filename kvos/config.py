@@ -77,6 +77,9 @@ class EngineConfig:
         "choices": PREEMPTION_ORDERS,
         "help": "preemption victim: lowest priority, then the latest arrival (latest) or the one losing the "
                 "least progress (least_progress)"})
+    kv_events: bool = field(default=False, metadata={
+        "help": "log every block the prefix cache stores or evicts as numbered KV event batches "
+                "(LLMEngine.drain_kv_events), for a KV-aware router"})
     max_pinned_fraction: float = field(default=0.5, metadata={
         "help": "cap on the fraction of the pool's blocks that pinned prefixes may hold"})
     seed: int = field(default=0, metadata={

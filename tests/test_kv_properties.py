@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvos.cache import FullAttentionSpec, KVCacheManager
+from kvos.cache.events import AllCleared, CachedBlockSet
 from kvos.cache.eviction import POLICIES, make_policy
 
 
@@ -44,6 +45,8 @@ class KVMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(FullAttentionSpec(block_size, 1, 1, 1), num_blocks, model_id="m",
                                  policy=make_policy(policy, capacity=num_blocks, block_size=block_size))
         self.kv.pool.on_evict = self._check_no_unreferenced_child
+        self.log = self.kv.enable_events("e0")
+        self.view = CachedBlockSet()  # a subscriber that sometimes misses a batch
         self.memory: dict[int, dict[int, tuple]] = {}
         self.active: list[Seq] = []
         self.n = 0
@@ -114,6 +117,18 @@ class KVMachine(RuleBasedStateMachine):
     @rule()
     def evict_everything_evictable(self) -> None:
         self.kv.reset_prefix_cache()
+
+    @rule(missed=st.booleans())
+    def publish_kv_events(self, missed: bool) -> None:
+        """The events a subscriber applied (resyncing from a snapshot after a gap) describe
+        exactly the prefix index."""
+        batch = self.log.drain()
+        if batch is None or missed:
+            return
+        if not self.view.apply(batch):
+            self.view.reset(self.kv.event_snapshot())
+        assert self.view.groups[0] == set(self.kv.pool.index.hashes())
+        assert not any(isinstance(e, AllCleared) for e in batch.events[1:])  # it replaces what came before
 
     # -- invariants ------------------------------------------------------------------------
     @invariant()

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
 from kvos.cache.eviction import EvictionPolicy, LRUPolicy
+from kvos.cache.events import KVEventLog
 from kvos.cache.page_pool import LargePagePool
 from kvos.cache.prefix_index import PrefixIndex
 from kvos.cache.stats import CacheCounters, CacheUsage
@@ -91,6 +92,9 @@ class BlockPool:
         """Called with a block about to lose its cached content (its KV is still intact)."""
         self.newly_cached: list[KVBlock] | None = None
         """When a list, every block registered in the prefix index is appended (tier writes)."""
+        self.events: KVEventLog | None = None
+        """When set, every registration and eviction is logged (``block_tokens`` per block)."""
+        self.block_tokens = 0
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -263,6 +267,8 @@ class BlockPool:
             self.on_evict(block)
         self._child_left(block)
         self.index.remove(block.block_hash)
+        if self.events is not None:
+            self.events.removed(block.block_hash, self.group)
         block.block_hash = block.parent_hash = None
         block.num_hits = 0
         self.counters.evictions += 1
@@ -358,6 +364,8 @@ class BlockPool:
             block.depth = depth
             block.priority = priority
             block.cached_at = self.clock.tick()
+            if self.events is not None:
+                self.events.stored(block_hash, parent_hash, self.block_tokens, self.group)
             if self.newly_cached is not None:
                 self.newly_cached.append(block)
 

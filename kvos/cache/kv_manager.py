@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool, LogicalClock
+from kvos.cache.events import KVEventLog, KVSnapshot
 from kvos.cache.eviction import EvictionPolicy, HitProtectedLRUPolicy, make_policy
 from kvos.cache.full_attention import FullAttentionManager
 from kvos.cache.hashing import extend_block_hashes, root_hash
@@ -80,6 +81,7 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._roots: dict[str, BlockHash] = {}
         self._tokens: dict[str, int] = {}
+        self._cached_full: dict[str, int] = {}  # full blocks cache_blocks has registered, per sequence
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -281,6 +283,11 @@ class KVCacheManager:
         its first ``num_tokens``, default all computed ones)."""
         if not self.enable_caching:
             return
+        upto = seq.num_computed_tokens if num_tokens is None else min(num_tokens, seq.num_computed_tokens)
+        full = upto // self.block_size
+        if full <= self._cached_full.get(seq.request_id, 0):
+            return  # no block filled since the last call (most decode steps)
+        self._cached_full[seq.request_id] = full
         hashes, root = self.block_hashes(seq), self.root(seq)
         for m in self.managers:
             m.cache_blocks(seq, hashes, root, num_tokens)
@@ -292,12 +299,15 @@ class KVCacheManager:
             self._hashes[child.request_id] = list(self._hashes[parent.request_id])
         if parent.request_id in self._tokens:
             self._tokens[child.request_id] = self._tokens[parent.request_id]
+        if parent.request_id in self._cached_full:
+            self._cached_full[child.request_id] = self._cached_full[parent.request_id]
 
     def free(self, seq: CacheableSequence) -> None:
         for m in self.managers:
             m.free(seq)
         self._hashes.pop(seq.request_id, None)
         self._roots.pop(seq.request_id, None)
+        self._cached_full.pop(seq.request_id, None)
         self._tokens.pop(seq.request_id, None)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
@@ -367,7 +377,30 @@ class KVCacheManager:
                 "waste_bytes": waste, "waste_fraction": waste / held if held else 0.0}
 
     def reset_prefix_cache(self) -> int:
-        return sum(p.reset_prefix_cache() for p in self.pools)
+        dropped = sum(p.reset_prefix_cache() for p in self.pools)
+        if self.events is not None and not any(len(p.index) for p in self.pools):
+            self.events.cleared()
+        return dropped
+
+    # -- KV events -------------------------------------------------------------------------
+    @property
+    def events(self) -> KVEventLog | None:
+        return self.pools[0].events
+
+    def enable_events(self, engine_id: str = "engine-0") -> KVEventLog:
+        """Log every registration and eviction from now on (call before anything is cached, so
+        that the log's batches describe the whole index)."""
+        if any(len(p.index) for p in self.pools):
+            raise RuntimeError("enable_events: blocks are already cached")
+        log = KVEventLog(engine_id)
+        for pool in self.pools:
+            pool.events, pool.block_tokens = log, self.block_size
+        return log
+
+    def event_snapshot(self) -> KVSnapshot:
+        """Every group's cached hashes as of the last drained batch (see ``KVEventLog.snapshot``)."""
+        assert self.events is not None
+        return self.events.snapshot([set(p.index.hashes()) for p in self.pools])
 
     def stats(self) -> dict:
         return {"block_size": self.block_size, "page_bytes": self.layout.large_page_bytes,

@@ -20,6 +20,10 @@ class PrefixIndex:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._blocks
 
+    def hashes(self):
+        """A view of every registered hash."""
+        return self._blocks.keys()
+
     def get(self, block_hash: BlockHash) -> KVBlock | None:
         return self._blocks.get(block_hash)
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -9,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import build_layout
 from kvos.cache.pins import Pin, PinnedPrefixes
@@ -105,6 +108,8 @@ class LLMEngine:
         model_id = model_fingerprint(path, self.kv_cache_dtype, config.random_weights)
         self.kv = KVCacheManager(self.layout, num_blocks, model_id=model_id,
                                  enable_caching=config.enable_prefix_caching, policy=config.eviction_policy)
+        self.kv_events = (self.kv.enable_events(f"{socket.gethostname()}:{os.getpid()}") if config.kv_events
+                          else None)
         self.runner.allocate_kv_cache(self.layout, num_blocks)
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
@@ -274,7 +279,7 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.dispatch(out.loads)
             if out.is_empty and not out.finished_ids and self._in_flight is None:
-                self.offload.install_ready(block=True)  # nothing to run until a load lands
+                self.offload.install_ready(block=True)  # nothing to run until a load or lookup lands
                 return []
         launched = self.runner.launch(out)
         if not self.async_scheduling:
@@ -369,3 +374,15 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
+
+    def drain_kv_events(self) -> KVEventBatch | None:
+        """The prefix cache's events since the last call as the next numbered batch (None if
+        none; ``kv_events`` must be on). Call from the engine's thread, between steps."""
+        if self.kv_events is None:
+            raise RuntimeError("kv_events is off: start the engine with kv_events=True")
+        return self.kv_events.drain()
+
+    def kv_event_snapshot(self) -> KVSnapshot:
+        """Every cached hash after draining, for a subscriber that missed a batch."""
+        self.drain_kv_events()  # (a subscriber resyncing from the snapshot needs no earlier batch)
+        return self.kv.event_snapshot()
