@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvos import SamplingParams
 from kvos.sim.cost_model import CostModel
 from kvos.sim.hardware import GPUS
 from kvos.sim.shapes import PRESETS
 from kvos.sim.simulator import SimConfig, Simulator
+from kvos.sim.tier import SimTierConfig
 from kvos.sim.traces import TraceRequest, load_mooncake, synthetic
 
 DATA = Path(__file__).parent / "data"
@@ -305,3 +308,58 @@ def test_window_pairs_and_windowed_cost():
     dense = gemma.step_time(1, 8192, 8192)
     assert gemma.step_time(1, 8192, 8192, 512, 512) < dense == gemma.step_time(1, 8192, 8192, 8192, 8192)
     assert COST.step_time(1, 8192, 8192, 512, 512) == COST.step_time(1, 8192, 8192)  # no sliding layers
+
+
+# -- a CPU tier below the device ---------------------------------------------------------------
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_tier_holding_everything_serves_what_an_unbounded_cache_would(conversation, write_policy):
+    """A device of 300 blocks (one request at a time) over a tier larger than every block of the
+    trace: every prefix computed before is on the device or in the tier, so the hit rate is the
+    unbounded cache's, counted independently of kvos."""
+    trace = conversation[:300]
+    expected = full_block_hit_rate(trace)
+    alone = simulate(trace, block_size=512, num_blocks=300, max_num_seqs=1)
+    tiered = simulate(trace, block_size=512, num_blocks=300, max_num_seqs=1,
+                      tier=SimTierConfig(10_000, write_policy=write_policy))
+    assert alone["block_hit_rate"] < expected - 0.02  # the device alone cannot
+    assert tiered["block_hit_rate"] == pytest.approx(expected, abs=1e-12)
+    assert tiered["tier_loaded_blocks"] > 0 and tiered["tier_evictions"] == 0
+    assert 0 < tiered["tier_token_hit_rate"] <= tiered["token_hit_rate"]
+
+
+def test_tier_load_time_is_bytes_over_the_link_then_the_rest_is_computed():
+    """[1,2,3] then [4,5,6] fill a 3-block device; [1,2,7] finds [1,2] only in the tier: its
+    TTFT is the copy of two blocks at the tier's bandwidth plus one step computing the rest."""
+    bs, n = 512, 3 * 512 - 1  # the prompt and its one output token fit the 3 blocks
+    trace = [TraceRequest(0.0, n, 1, [1, 2, 3]), TraceRequest(100.0, n, 1, [4, 5, 6]),
+             TraceRequest(200.0, n, 1, [1, 2, 7])]
+    tier = SimTierConfig(16, load_bandwidth=20e9)
+    r = simulate(trace, block_size=bs, num_blocks=4, max_num_seqs=1, tier=tier)  # + the null block
+    load = 2 * bs * COST.kv_bytes_per_token / 20e9
+    step = COST.step_time(n - 2 * bs, n, (n - 2 * bs) * (2 * bs + n + 1) // 2)
+    assert r["ttft_s"][2] == pytest.approx(load + step, rel=1e-9)
+    assert r["tier_loaded_blocks"] == 2 and r["tier_token_hit_rate"] == pytest.approx(2 * bs / (3 * n))
+    without = simulate(trace, block_size=bs, num_blocks=4, max_num_seqs=1)
+    assert without["token_hit_rate"] == 0 and without["ttft_s"][2] > r["ttft_s"][2]
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_no_tier_setting_beats_the_optimum_of_both_memories(data):
+    """No device and tier policy pair hits more than Belady on one pool of both sizes."""
+    rng_trace = data.draw(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=4),
+                                             st.integers(1, 3)), min_size=2, max_size=12))
+    trace, prefixes = [], {}
+    for i, (ids, extra) in enumerate(rng_trace):  # chains over a small alphabet: shared prefixes
+        chain = prefixes.setdefault(tuple(ids[:1]), ids[:1]) + ids[1:]
+        trace.append(TraceRequest(float(i), len(chain) * 512 + extra, 2, chain))
+    size = data.draw(st.integers(6, 8))
+    tier_blocks = data.draw(st.integers(1, 8))
+    opt = simulate(trace, block_size=512, num_blocks=size + tier_blocks, max_num_seqs=1,
+                   eviction_policy="belady")
+    device = data.draw(st.sampled_from(["lru", "fifo", "lfu", "s3fifo", "arc", "weighted"]))
+    cfg = SimTierConfig(tier_blocks, data.draw(st.sampled_from(["lru", "lfu", "s3fifo", "weighted"])),
+                        data.draw(st.sampled_from(["write_through", "write_back"])))
+    r = simulate(trace, block_size=512, num_blocks=size, max_num_seqs=1, eviction_policy=device,
+                 eviction_lookahead=data.draw(st.sampled_from([0, 4])), tier=cfg)
+    assert r["token_hit_rate"] <= opt["token_hit_rate"] + 1e-12

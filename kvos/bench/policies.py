@@ -1,7 +1,12 @@
 """``kvos bench policies``: every eviction policy against the offline optimum on the Mooncake
 traces, through the simulator (the engine's own scheduler, KV manager and policy classes): hit
 rate and TTFT at each pool size, with and without the eviction lookahead, as fractions of the
-optimum (Belady, ties toward the chain's tail) and of the LRU-to-optimum gap closed."""
+optimum (Belady, ties toward the chain's tail) and of the LRU-to-optimum gap closed.
+
+With a CPU tier of ``R`` times the device's blocks (``--tier-ratios``), the device policy runs
+over a tier managed by its own policy (``--tier-policies``); the optimum is then Belady on one
+device pool of the device's plus the tier's blocks (no two-level policy can hold more distinct
+blocks than both together, nor serve a block neither holds), and plain LRU is LRU on both."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +30,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--lookaheads", type=int, nargs="+", default=[0, 256],
                    help="eviction lookahead settings to compare (waiting requests; 0: off)")
+    p.add_argument("--tier-ratios", type=float, nargs="+", default=[0, 4],
+                   help="CPU-tier sizes as multiples of the device pool (0: no tier)")
+    p.add_argument("--tier-policies", nargs="+", default=[p for p in POLICIES if p != "belady"],
+                   choices=[p for p in POLICIES if p != "belady"],
+                   help="the tier's own policies to compare (under device LRU with the largest lookahead)")
     p.add_argument("--max-num-seqs", type=int, default=1, help="1: one request at a time, as the issue's setup")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--output", default="benchmarks/results/policies.json")
@@ -32,21 +42,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _one(args: tuple) -> dict:
-    trace_path, limit, size, policy, lookahead, max_num_seqs = args
+    trace_path, limit, size, policy, lookahead, max_num_seqs, tier_blocks, tier_policy, write_policy = args
     from kvos.sim.cost_model import CostModel
     from kvos.sim.hardware import GPUS
     from kvos.sim.shapes import PRESETS
     from kvos.sim.simulator import SimConfig, Simulator
+    from kvos.sim.tier import SimTierConfig
     from kvos.sim.traces import load_mooncake
 
     trace = load_mooncake(trace_path)
     trace = trace[:limit] if limit else trace
     cost = CostModel.for_model(PRESETS["llama-3.1-8b"], GPUS["H100-80G"])
-    cfg = SimConfig(block_size=512, num_blocks=size, eviction_policy=policy, max_num_seqs=max_num_seqs,
-                    eviction_lookahead=lookahead)
+    tier = SimTierConfig(tier_blocks, tier_policy, write_policy) if tier_blocks else None
+    cfg = SimConfig(block_size=512, num_blocks=size + (tier_blocks if policy == "belady" else 0),
+                    eviction_policy=policy, max_num_seqs=max_num_seqs, eviction_lookahead=lookahead,
+                    tier=None if policy == "belady" else tier)
     t = time.perf_counter()
     r = Simulator(trace, cfg, cost).run()
-    return {"size": size, "policy": policy, "lookahead": lookahead, "token_hit_rate": r["token_hit_rate"],
+    return {"size": size, "policy": policy, "lookahead": lookahead, "tier_blocks": tier_blocks,
+            "tier_policy": tier_policy if tier_blocks else None,
+            "tier_write_policy": write_policy if tier_blocks else None,
+            "tier_token_hit_rate": r.get("tier_token_hit_rate", 0.0), "token_hit_rate": r["token_hit_rate"],
             "block_hit_rate": r["block_hit_rate"], "ttft_p50_s": r["ttft_p50_s"], "ttft_p90_s": r["ttft_p90_s"],
             "ttft_mean_s": r["ttft_mean_s"], "evictions": r["evictions"], "sim_wall_s": time.perf_counter() - t}
 
@@ -58,10 +74,9 @@ def run(a: argparse.Namespace) -> int:
     for name in a.traces:
         path = str(Path(a.trace_dir) / TRACES[name])
         for size in a.sizes:
-            jobs.append((name, (path, a.limit, size, "belady", 0, a.max_num_seqs)))
-            for policy in a.policies:
-                for lookahead in a.lookaheads:
-                    jobs.append((name, (path, a.limit, size, policy, lookahead, a.max_num_seqs)))
+            for ratio in a.tier_ratios:
+                for setting in settings(a, int(ratio * size)):
+                    jobs.append((name, (path, a.limit, size, *setting[:2], a.max_num_seqs, *setting[2:])))
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
         rows = list(pool.map(_one, [j for _, j in jobs]))
@@ -70,7 +85,7 @@ def run(a: argparse.Namespace) -> int:
         results.setdefault(name, []).append(row)
     for name, rs in results.items():
         annotate(rs)
-        print(table(name, rs, a.lookaheads))
+        print(table(name, rs))
     report = {"bench": "policies", "machine": machine_info(), "max_num_seqs": a.max_num_seqs, "limit": a.limit,
               "block_size": 512, "sizes": a.sizes, "wall_s": time.perf_counter() - t0,
               "summary": {name: summarize(rs) for name, rs in results.items()}, "results": results}
@@ -83,78 +98,123 @@ def run(a: argparse.Namespace) -> int:
     return report
 
 
+def settings(a: argparse.Namespace, tier_blocks: int) -> list[tuple]:
+    """(device policy, lookahead, tier blocks, tier policy, write policy) to run at one size:
+    without a tier, every device policy at every lookahead; with one, plain LRU on both, every
+    device policy at the largest lookahead over an LRU tier, and device LRU at that lookahead
+    over every tier policy, write-through, then write-back."""
+    if not tier_blocks:
+        return [("belady", 0, 0, "lru", "write_through")] + [
+            (p, la, 0, "lru", "write_through") for p in a.policies for la in a.lookaheads]
+    la = max(a.lookaheads)
+    out = [("belady", 0, tier_blocks, "lru", "write_through"), ("lru", 0, tier_blocks, "lru", "write_through")]
+    out += [(p, la, tier_blocks, "lru", "write_through") for p in a.policies]
+    out += [("lru", la, tier_blocks, tp, "write_through") for tp in a.tier_policies if tp != "lru"]
+    out.append(("lru", la, tier_blocks, "lru", "write_back"))
+    return list(dict.fromkeys(out))
+
+
+def label(r: dict) -> str:
+    """A row's policy setting, e.g. ``lru +lookahead 256 / tier s3fifo``."""
+    if r["policy"] == "belady":
+        return "optimum (belady)"
+    text = r["policy"] + (f" +lookahead {r['lookahead']}" if r["lookahead"] else "")
+    if r["tier_blocks"]:
+        text += f" / tier {r['tier_policy']}" + (" wb" if r["tier_write_policy"] == "write_back" else "")
+    return text
+
+
+def _ratio(r: dict) -> float:
+    return round(r["tier_blocks"] / r["size"], 3)
+
+
+def _groups(rows: list[dict]) -> dict[tuple[float, int], list[dict]]:
+    """Rows by (tier ratio, size): each group has its own optimum and plain-LRU baseline."""
+    out: dict[tuple[float, int], list[dict]] = {}
+    for r in rows:
+        out.setdefault((_ratio(r), r["size"]), []).append(r)
+    return dict(sorted(out.items()))
+
+
+def _is_plain_lru(r: dict) -> bool:
+    return r["policy"] == "lru" and not r["lookahead"] and (not r["tier_blocks"] or (
+        r["tier_policy"] == "lru" and r["tier_write_policy"] == "write_through"))
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per size: the optimum, plain LRU, and the best online setting with the gap it closes."""
+    """Per tier ratio and size: the optimum, plain LRU, and the best online setting with the gap
+    it closes."""
     out = []
-    for size in sorted({r["size"] for r in rows}):
-        at = [r for r in rows if r["size"] == size]
+    for (ratio, size), at in _groups(rows).items():
         opt = next(r for r in at if r["policy"] == "belady")
-        lru = next((r for r in at if r["policy"] == "lru" and r["lookahead"] == 0), None)
+        lru = next((r for r in at if _is_plain_lru(r)), None)
         best = max((r for r in at if r["policy"] != "belady"), key=lambda r: r["token_hit_rate"])
-        out.append({"size": size, "optimum": round(opt["token_hit_rate"], 4),
+        out.append({"size": size, "tier_ratio": ratio, "optimum": round(opt["token_hit_rate"], 4),
                     "lru": None if lru is None else round(lru["token_hit_rate"], 4),
-                    "best": f"{best['policy']}" + (f"+lookahead{best['lookahead']}" if best["lookahead"] else ""),
-                    "best_hit": round(best["token_hit_rate"], 4),
+                    "best": label(best), "best_hit": round(best["token_hit_rate"], 4),
                     "gap_closed": None if best["gap_closed"] is None else round(best["gap_closed"], 3)})
     return out
 
 
 def annotate(rows: list[dict]) -> None:
     """Add each row's fraction of the optimum and of the LRU-to-optimum gap it closes (against
-    plain LRU, lookahead off, at the same size)."""
-    opt = {r["size"]: r["token_hit_rate"] for r in rows if r["policy"] == "belady"}
-    lru = {r["size"]: r["token_hit_rate"] for r in rows if r["policy"] == "lru" and r["lookahead"] == 0}
-    for r in rows:
-        best, base = opt[r["size"]], lru.get(r["size"])
-        r["of_optimum"] = r["token_hit_rate"] / best if best else None
-        r["gap_closed"] = ((r["token_hit_rate"] - base) / (best - base)
-                           if base is not None and best - base > 1e-9 else None)
+    plain LRU at the same size and tier ratio)."""
+    for at in _groups(rows).values():
+        best = next(r for r in at if r["policy"] == "belady")["token_hit_rate"]
+        base = next((r["token_hit_rate"] for r in at if _is_plain_lru(r)), None)
+        for r in at:
+            r["of_optimum"] = r["token_hit_rate"] / best if best else None
+            r["gap_closed"] = ((r["token_hit_rate"] - base) / (best - base)
+                               if base is not None and best - base > 1e-9 else None)
 
 
-def table(name: str, rows: list[dict], lookaheads: list[int]) -> str:
-    sizes = sorted({r["size"] for r in rows})
-    by = {(r["policy"], r["lookahead"], r["size"]): r for r in rows}
-    lines = [f"\n{name}: prompt-token hit rate (fraction of the optimum)",
-             f"{'policy':<22}" + "".join(f"{s:>16,}" for s in sizes)]
-    lines.append(f"{'optimum (belady)':<22}" + "".join(f"{by[('belady', 0, s)]['token_hit_rate']:>16.1%}"
-                                                      for s in sizes))
-    for policy in [p for p in POLICIES if any(k[0] == p for k in by)]:
-        for la in lookaheads:
-            label = policy + (f" +lookahead {la}" if la else "")
+def table(name: str, rows: list[dict]) -> str:
+    """One block per tier ratio: a row per setting, a column per size."""
+    lines = []
+    for ratio in sorted({_ratio(r) for r in rows}):
+        at = [r for r in rows if _ratio(r) == ratio]
+        sizes = sorted({r["size"] for r in at})
+        by = {(label(r), r["size"]): r for r in at}
+        head = "no tier" if not ratio else f"a CPU tier of {ratio:g}x the device's blocks"
+        lines += [f"\n{name}, {head}: prompt-token hit rate (fraction of the optimum)",
+                  f"{'setting':<34}" + "".join(f"{s:>16,}" for s in sizes)]
+        for text in dict.fromkeys(label(r) for r in sorted(at, key=lambda r: r["policy"] != "belady")):
             cells = []
             for s in sizes:
-                r = by.get((policy, la, s))
-                cells.append(f"{r['token_hit_rate']:>8.1%} ({r['of_optimum']:.2f})" if r else f"{'-':>16}")
-            lines.append(f"{label:<22}" + "".join(f"{c:>16}" for c in cells))
+                r = by.get((text, s))
+                cells.append("-" if r is None else f"{r['token_hit_rate']:.1%}" if r["policy"] == "belady"
+                             else f"{r['token_hit_rate']:.1%} ({r['of_optimum']:.2f})")
+            lines.append(f"{text:<34}" + "".join(f"{c:>16}" for c in cells))
     return "\n".join(lines)
 
 
 def plot(results: dict, sizes: list[int], path: Path) -> None:
+    """A panel per trace (columns) and tier ratio (rows): hit rate against pool size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
-    for ax, (name, rows) in zip(axes[0], results.items()):
-        series: dict[str, list] = {}
-        for r in sorted(rows, key=lambda r: r["size"]):
-            label = "optimum" if r["policy"] == "belady" else r["policy"] + (" +lookahead" if r["lookahead"] else "")
-            series.setdefault(label, []).append((r["size"], r["token_hit_rate"]))
-        colors = {p: f"C{i}" for i, p in enumerate(POLICIES)}
-        for label, pts in series.items():
-            policy = label.split(" ")[0]
-            color = "k" if label == "optimum" else colors[policy]
-            style = "--" if label == "optimum" else ("-" if "lookahead" in label else ":")
-            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], style, color=color, marker="o", ms=3,
-                    label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("pool size (512-token blocks)")
-        ax.set_ylabel("prompt tokens served from cache (%)")
-        ax.set_title(f"Mooncake {name} trace")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, ncol=2)
+    ratios = sorted({_ratio(r) for rows in results.values() for r in rows})
+    fig, axes = plt.subplots(len(ratios), len(results), figsize=(6.5 * len(results), 4.5 * len(ratios)),
+                             squeeze=False)
+    for col, (name, rows) in enumerate(results.items()):
+        for row, ratio in enumerate(ratios):
+            ax = axes[row][col]
+            series: dict[str, list] = {}
+            for r in sorted((r for r in rows if _ratio(r) == ratio), key=lambda r: r["size"]):
+                series.setdefault(label(r), []).append((r["size"], r["token_hit_rate"]))
+            for i, (text, pts) in enumerate(series.items()):
+                optimum = text.startswith("optimum")
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "--" if optimum else "-",
+                        color="k" if optimum else f"C{i % 10}", marker="o", ms=3, label=text)
+            ax.set_xscale("log")
+            ax.set_xlabel("device pool size (512-token blocks)")
+            ax.set_ylabel("prompt tokens served from cache (%)")
+            ax.set_title(f"Mooncake {name} trace, " + ("no tier" if not ratio else f"CPU tier {ratio:g}x"))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6, ncol=2)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

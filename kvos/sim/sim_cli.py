@@ -17,6 +17,8 @@ EXAMPLES = """examples:
                 --sweep cache-size --sweep-policies lru fifo lfu belady --plot-dir plots/
   kvos simulate --synthetic --input-len 1024:4096 --model gemma-3-27b --kv-layout unified --cache-gb 20
   kvos simulate --synthetic --input-len 1024:4096 --model gemma-3-27b --kv-layout homogeneous --cache-gb 20
+  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 2000 --tier-blocks 8000 \
+                --tier-policy lru --tier-write-policy write_back
 
 With a hybrid --model (sliding-window and full-attention layers, e.g. Gemma 3) the KV memory
 system runs the model's cache layout (--kv-layout, default unified): several cache groups in one
@@ -72,6 +74,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-num-batched-tokens", type=int, default=8192)
     c.add_argument("--max-num-seqs", type=int, default=256)
     c.add_argument("--no-prefix-caching", action="store_true")
+    t = p.add_argument_group("a CPU tier below the device")
+    t.add_argument("--tier-blocks", type=int, default=0, help="CPU-tier slots in device blocks (0: no tier)")
+    t.add_argument("--tier-gb", type=float, default=None, help="CPU-tier size in GiB of KV for --model")
+    t.add_argument("--tier-policy", default="lru", choices=list(POLICIES), help="the tier's own eviction policy")
+    t.add_argument("--tier-write-policy", default="write_through", choices=["write_through", "write_back"])
+    t.add_argument("--tier-bandwidth-gbs", type=float, default=27.0,
+                   help="tier-to-device load rate in GB/s (kvos's measured CPU-tier loads on an H100 host)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
     o.add_argument("--output", default=None, help="also save the JSON report here")
@@ -150,13 +159,21 @@ def build(a: argparse.Namespace):
             raise ValueError(f"cache_blocks must be a number or 'unlimited', got {a.cache_blocks!r}") from None
     if blocks is not None and blocks < 2:
         raise ValueError(f"cache_blocks must be at least 2, got {blocks}")
+    tier = None
+    tier_blocks = a.tier_blocks
+    if a.tier_gb is not None:
+        tier_blocks = int(a.tier_gb * (1 << 30) // (cost.kv_bytes_per_token * a.block_size))
+    if tier_blocks:
+        from kvos.sim.tier import SimTierConfig
+
+        tier = SimTierConfig(tier_blocks, a.tier_policy, a.tier_write_policy, a.tier_bandwidth_gbs * 1e9)
     cfg = SimConfig(block_size=a.block_size, num_blocks=blocks, eviction_policy=a.eviction_policy,
                     scheduling_policy=a.scheduling_policy, allocator=a.allocator,
                     max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                     max_model_len=a.max_model_len, time_scale=a.time_scale,
                     enable_prefix_caching=not a.no_prefix_caching, layout=layout,
                     preemption_order=a.preemption_order, fairness_steps=a.fairness_steps,
-                    eviction_lookahead=a.eviction_lookahead)
+                    eviction_lookahead=a.eviction_lookahead, tier=tier)
     return cfg, cost
 
 
@@ -192,6 +209,10 @@ def format_report(r: dict) -> str:
             ("concurrency", f"{r['running_mean']:,.1f} running requests on average, peak {r['running_peak']:,}"),
             ("events", f"preemptions {r['preemptions']:,}, evictions {r['evictions']:,}, "
                        f"recomputed tokens {r['recomputed_tokens']:,}"),
+            *([("CPU tier", f"{r['tier_blocks']:,} blocks, evict {r['tier_policy']}, {r['tier_write_policy']}; "
+                            f"served {r['tier_token_hit_rate']:.2%} of prompt tokens, loaded "
+                            f"{r['tier_loaded_blocks']:,} blocks ({r['tier_load_busy_s']:,.2f} s of link time)")]
+              if "tier_blocks" in r else []),
             *([("group peak blocks", ", ".join(f"{b:,}" for b in r["group_peak_blocks"]))]
               if "group_peak_blocks" in r else []),
             ("simulated", f"{r['makespan_s']:,.1f} s in {r['steps']:,} steps; wall {r['sim_wall_s']:.1f} s")]

@@ -2,6 +2,7 @@
 in place of the model (the SimExecutor)."""
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
@@ -20,6 +21,7 @@ from kvos.engine.sampling_params import SamplingParams
 from kvos.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvos.sim.contiguous import ContiguousKVManager
 from kvos.sim.cost_model import CostModel
+from kvos.sim.tier import CPU_SOURCE, SimTier, SimTierConfig
 from kvos.sim.traces import MOONCAKE_BLOCK, TraceRequest
 
 SIM_MODEL_ID = "sim"
@@ -45,6 +47,8 @@ class SimConfig:
     preemption_order: str = "latest"  # see SchedulerConfig
     fairness_steps: int = 64  # see SchedulerConfig
     eviction_lookahead: int = 256  # see SchedulerConfig
+    tier: SimTierConfig | None = None
+    """A CPU tier below the device (single cache group, paged allocator only)."""
 
     def __post_init__(self) -> None:
         if self.allocator not in ("paged", "contiguous"):
@@ -61,6 +65,9 @@ class SimConfig:
             raise ValueError(f"eviction_policy 'belady' needs a single cache group; kv_layout "
                              f"{self.layout.mode!r} has {len(self.layout.groups)} (use 'homogeneous', or "
                              f"another policy)")
+        if self.tier is not None and (self.allocator != "paged" or not self.enable_prefix_caching or (
+                self.layout is not None and len(self.layout.groups) > 1)):
+            raise ValueError("tier: a CPU tier needs the paged allocator, prefix caching and a single cache group")
 
 
 def window_pairs(start: int, end: int, window: int) -> int:
@@ -142,6 +149,15 @@ class Simulator:
                                                    0 if config.eviction_policy == "belady"
                                                    else config.eviction_lookahead), self.kv)
         self.schedule_hook = None  # called with each SchedulerOutput (tests compare with the engine)
+        self.tier: SimTier | None = None
+        if config.tier is not None:
+            self.tier = SimTier(config.tier, bs, cost.kv_bytes_per_token * bs)
+            self.scheduler.lower_tier_lookup = self.tier.lookup
+            pool = self.kv.pool
+            if config.tier.write_policy == "write_through":
+                pool.newly_cached = []
+            else:
+                pool.on_evict = self.tier.store
 
     # -- Belady's oracle: the requests (by arrival index) that will use each block hash ----
     def _build_oracle(self) -> None:
@@ -185,6 +201,8 @@ class Simulator:
         index_of: dict[str, int] = {}
         capacity = kv.capacity_tokens(cfg.max_num_batched_tokens)
         rejected = 0
+        loads: list[tuple[float, int, Request, int]] = []  # (copy ends, arrival, request, blocks)
+        tier_hit_tokens = 0
         bar = tqdm(total=len(trace), desc="simulating", unit="req", disable=not progress)
         while nxt < len(trace) or sched.has_unfinished():
             while nxt < len(trace) and arrival[nxt] <= clock:
@@ -198,6 +216,9 @@ class Simulator:
                 index_of[req.request_id] = nxt
                 sched.add_request(req)
                 nxt += 1
+            while loads and loads[0][0] <= clock:  # tier loads whose copy has ended
+                _, _, req, n = heapq.heappop(loads)
+                sched.finish_loading(req, [CPU_SOURCE] * n)
             if not sched.has_unfinished():
                 if nxt < len(trace):
                     clock = max(clock, arrival[nxt])
@@ -205,9 +226,14 @@ class Simulator:
             out = sched.schedule()
             if self.schedule_hook is not None:
                 self.schedule_hook(out)
+            for load in out.loads:
+                assert self.tier is not None
+                n, end = self.tier.load(load.hashes, clock)
+                heapq.heappush(loads, (end, load.request.arrival, load.request, n))
             if out.is_empty:
-                if nxt < len(trace):
-                    clock = max(clock, arrival[nxt])
+                if loads or nxt < len(trace):
+                    clock = max(clock, min(loads[0][0] if loads else math.inf,
+                                           arrival[nxt] if nxt < len(trace) else math.inf))
                     continue
                 raise RuntimeError("simulation stalled: the pool cannot hold the waiting requests")
             for s in out.seqs:
@@ -221,6 +247,7 @@ class Simulator:
                     hit_blocks += hb
                     total_blocks += tb
                     hit_tokens += req.num_cached_tokens
+                    tier_hit_tokens += req.cached_by_source.get(CPU_SOURCE, 0)
                     prompt_tokens += req.num_prompt_tokens
                     if self._oracle is not None:
                         self._consume_uses(i, kv.block_hashes(req))
@@ -244,7 +271,13 @@ class Simulator:
                     if held:
                         util_tokens += req.num_computed_tokens
                         util_slots += held * cfg.block_size
-            for req in sched.update_from_output(out, sampled):
+            finished = sched.update_from_output(out, sampled)
+            if self.tier is not None and kv.pool.newly_cached:  # write-through
+                for block in kv.pool.newly_cached:
+                    if block.block_hash is not None:  # (not evicted since)
+                        self.tier.store(block)
+                kv.pool.newly_cached.clear()
+            for req in finished:
                 first.setdefault(req.request_id, clock)
                 if req.is_finished:
                     done[req.request_id] = clock
@@ -253,6 +286,9 @@ class Simulator:
         report = self._report(arrival, first, done, clock, steps, time.perf_counter() - t_wall,
                               hit_blocks, total_blocks, hit_tokens, prompt_tokens, util_tokens, util_slots)
         report["rejected_requests"] = rejected
+        if self.tier is not None:
+            report.update(self.tier.report())
+            report["tier_token_hit_rate"] = tier_hit_tokens / prompt_tokens if prompt_tokens else 0.0
         report["running_mean"] = running_sum / steps if steps else 0.0
         report["running_peak"] = running_peak
         if cfg.layout is not None:

@@ -1,0 +1,106 @@
+"""A CPU tier below the simulated device: which block hashes host memory holds, managed by the
+engine's own ``BlockPool`` and eviction policies, and when a load over the host link ends."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvos.cache.block import BlockHash, KVBlock
+from kvos.cache.block_pool import BlockPool
+from kvos.cache.eviction import POLICIES, make_policy
+from kvos.cache.tiers.hierarchy import WRITE_POLICIES
+
+CPU_SOURCE = "cpu"
+
+
+@dataclass
+class SimTierConfig:
+    num_blocks: int
+    """Host-memory slots, in device blocks."""
+    policy: str = "lru"
+    write_policy: str = "write_through"
+    load_bandwidth: float = 27e9
+    """Bytes/s of a tier-to-device load: kvos's measured CPU-tier load rate on the H100 host
+    (pinned host-to-device is 55 GB/s; xxh3 verification on host threads halves it)."""
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"tier num_blocks must be >= 1, got {self.num_blocks}")
+        if self.policy not in POLICIES or self.policy == "belady":
+            raise ValueError(f"tier policy must be one of {[p for p in POLICIES if p != 'belady']}, "
+                             f"got {self.policy!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"tier write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.load_bandwidth <= 0:
+            raise ValueError(f"tier load_bandwidth must be > 0, got {self.load_bandwidth}")
+
+
+class SimTier:
+    """Host memory as a second ``BlockPool`` whose slots hold copies of device blocks by hash.
+
+    Invariants (those of ``BlockPool``): every slot is unreferenced between calls, so every
+    stored block is evictable by the tier's policy; chain order holds, so the tier never drops
+    a block before the stored blocks that extend it. Loads are serialized on one host link:
+    each ends ``bytes / load_bandwidth`` after the previous one (or its dispatch).
+    """
+
+    def __init__(self, config: SimTierConfig, block_size: int, block_bytes: float) -> None:
+        self.cfg = config
+        policy = make_policy(config.policy, capacity=config.num_blocks, block_size=block_size)
+        self.pool = BlockPool(config.num_blocks + 1, policy=policy)  # +1: the null block
+        self.block_bytes = block_bytes
+        self.link_free_at = 0.0
+        self.stored = self.loaded = self.dropped = 0
+        self.busy_s = 0.0
+
+    def lookup(self, request: object, hashes: list[BlockHash]) -> int:
+        """How many leading ``hashes`` (of ``request``'s prompt) the tier holds, answered at once
+        (the scheduler's lower-tier lookup); no recency update: a lookup may be repeated while
+        the request waits for device room."""
+        n = 0
+        index = self.pool.index
+        for h in hashes:
+            if index.get(h) is None:
+                break
+            n += 1
+        return n
+
+    def store(self, block: KVBlock) -> None:
+        """Copy a cached device block (write-through after it is computed, write-back when the
+        device evicts it); a hash already held counts as a use."""
+        assert block.block_hash is not None
+        pool = self.pool
+        held = pool.index.get(block.block_hash)
+        if held is not None:
+            pool.touch([held], hit=True)
+            pool.free_blocks([held])
+            return
+        evicted_before = pool.counters.evictions
+        [slot] = pool.get_new_blocks(1)
+        pool.cache_full_block(slot, block.block_hash, block.parent_hash, block.depth, block.priority)
+        pool.free_blocks([slot])
+        self.stored += 1
+        self.dropped += pool.counters.evictions - evicted_before
+
+    def load(self, hashes: list[BlockHash], now: float) -> tuple[int, float]:
+        """Start loading the leading ``hashes`` still held (earlier stores may have evicted some
+        since the lookup): how many, and when the copy ends."""
+        blocks = []
+        for h in hashes:
+            b = self.pool.index.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        if blocks:  # a hit: the policy sees the use, root first, then the chain goes back tail first
+            self.pool.touch(blocks, hit=True)
+            self.pool.free_blocks(reversed(blocks))
+        self.loaded += len(blocks)
+        seconds = len(blocks) * self.block_bytes / self.cfg.load_bandwidth
+        self.busy_s += seconds
+        self.link_free_at = max(now, self.link_free_at) + seconds
+        return len(blocks), self.link_free_at
+
+    def report(self) -> dict:
+        return {"tier_blocks": self.cfg.num_blocks, "tier_policy": self.cfg.policy,
+                "tier_write_policy": self.cfg.write_policy, "tier_stored_blocks": self.stored,
+                "tier_loaded_blocks": self.loaded, "tier_evictions": self.dropped,
+                "tier_load_busy_s": self.busy_s}
