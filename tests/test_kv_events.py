@@ -69,6 +69,19 @@ def test_missed_batch_is_noticed_and_a_snapshot_repairs_it(engine):
     assert view.apply(batch) and view.groups[0] == set() == index_hashes(engine)
 
 
+def test_undrained_events_stay_bounded_and_show_a_gap():
+    from kvos.cache.events import KVEventLog
+
+    log, view = KVEventLog(), CachedBlockSet()
+    log.MAX_PENDING = 4
+    log.stored(b"a", b"root", 16, 0)
+    assert view.apply(log.drain())
+    for i in range(10):
+        log.stored(bytes([i]), b"a", 16, 0)
+    assert len(log._pending) <= 4
+    assert not view.apply(log.drain())  # events were dropped: the subscriber must resync
+
+
 def test_events_off_by_default(llm):
     with pytest.raises(RuntimeError, match="kv_events"):
         llm.engine.drain_kv_events()

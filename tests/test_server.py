@@ -209,6 +209,19 @@ def test_tenants_never_share_cached_blocks(keyed_server):
     assert cached(alice, cache_salt="project-x") > 0
 
 
+def test_pins_belong_to_their_tenant(keyed_server):
+    """A tenant's pin is invisible to another tenant, who can neither list nor delete it."""
+    alice, bob = ({"Authorization": f"Bearer key-{n}"} for n in ("alice", "bob"))
+    url = f"{keyed_server.url}/v1/cache/pins"
+    pin = httpx.post(url, json={"prompt": "Alice's system prompt. " * 10}, headers=alice, timeout=60)
+    assert pin.status_code == 200, pin.text
+    pin_id = pin.json()["id"]
+    assert pin_id in [p["id"] for p in httpx.get(url, headers=alice).json()["data"]]
+    assert pin_id not in [p["id"] for p in httpx.get(url, headers=bob).json()["data"]]
+    assert httpx.delete(f"{url}/{pin_id}", headers=bob).status_code == 404
+    assert httpx.delete(f"{url}/{pin_id}", headers=alice).status_code == 200
+
+
 def test_backpressure_429_with_retry_after(keyed_server):
     headers = {"Authorization": "Bearer key-alice"}
 

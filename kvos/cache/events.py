@@ -65,17 +65,27 @@ class KVEventLog:
     next numbered batch. Only the pools (``BlockPool.cache_full_block`` and ``evict``) and the
     cache manager's reset append to it, on the engine thread."""
 
+    MAX_PENDING = 1 << 18
+    """Undrained events kept at most: past it they are dropped and their batch number is burnt,
+    so that subscribers see a gap and resync (memory stays bounded with no one draining)."""
+
     def __init__(self, engine_id: str = "engine-0") -> None:
         self.engine_id = engine_id
         self.epoch = uuid.uuid4().hex  # a restarted engine's numbering starts over in a new epoch
         self.seq = 0
         self._pending: list[KVEvent] = []
 
+    def _append(self, event: KVEvent) -> None:
+        if len(self._pending) >= self.MAX_PENDING:
+            self._pending.clear()
+            self.seq += 1  # a batch no one will receive
+        self._pending.append(event)
+
     def stored(self, block_hash: BlockHash, parent_hash: BlockHash, num_tokens: int, group: int) -> None:
-        self._pending.append(BlockStored(block_hash, parent_hash, num_tokens, group))
+        self._append(BlockStored(block_hash, parent_hash, num_tokens, group))
 
     def removed(self, block_hash: BlockHash, group: int) -> None:
-        self._pending.append(BlockRemoved(block_hash, group))
+        self._append(BlockRemoved(block_hash, group))
 
     def cleared(self) -> None:
         """Everything is gone: earlier events of this batch no longer matter."""
