@@ -10,18 +10,23 @@ from kvos.cli import main
 def test_bench_policies_small(tmp_path, capsys):
     out = tmp_path / "policies.json"
     rc = main(["bench", "policies", "--traces", "synthetic", "--limit", "300", "--sizes", "100", "400",
-               "--policies", "lru", "arc", "weighted", "--lookaheads", "0", "64", "--jobs", "1",
-               "--output", str(out), "--plot", str(tmp_path / "p.png")])
+               "--policies", "lru", "arc", "weighted", "--lookaheads", "0", "64", "--tier-ratios", "0", "2",
+               "--tier-policies", "lru", "s3fifo", "--jobs", "1", "--output", str(out), "--plot", str(tmp_path / "p.png")])
     assert rc == 0
     report = json.loads(out.read_text())
     rows = report["results"]["synthetic"]
-    assert len(rows) == 2 * (1 + 3 * 2)
+    # per size: without a tier the optimum and 3 policies x 2 lookaheads; with one the optimum of
+    # both memories, plain LRU, 3 device policies, 1 more tier policy and write-back
+    assert len(rows) == 2 * (1 + 3 * 2) + 2 * (1 + 1 + 3 + 1 + 1)
     for r in rows:
-        opt = next(o for o in rows if o["policy"] == "belady" and o["size"] == r["size"])
+        opt = next(o for o in rows if o["policy"] == "belady" and o["size"] == r["size"]
+                   and o["tier_blocks"] == r["tier_blocks"])
         assert r["token_hit_rate"] <= opt["token_hit_rate"] + 1e-12, r
         assert 0 <= r["of_optimum"] <= 1
+    tiered = [r for r in rows if r["tier_blocks"] and r["policy"] != "belady"]
+    assert {r["tier_blocks"] for r in tiered} == {200, 800} and all(r["tier_token_hit_rate"] >= 0 for r in tiered)
     summary = report["summary"]["synthetic"]
-    assert [s["size"] for s in summary] == [100, 400]
+    assert [(s["size"], s["tier_ratio"]) for s in summary] == [(100, 0), (400, 0), (100, 2), (400, 2)]
     assert all(s["lru"] <= s["best_hit"] <= s["optimum"] for s in summary)
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "optimum (belady)" in capsys.readouterr().out

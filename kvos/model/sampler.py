@@ -265,31 +265,72 @@ class Sampler:
             out.append(st)
         return out
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    CANDIDATES = 1024
+    """When every filtering row's ``top_k`` is at most this, candidates come from one ``topk``
+    over the vocabulary instead of a full sort."""
+
+    @classmethod
+    def _sample(cls, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Exponential-race sampling (``argmax(probs / Exp(1))`` draws from ``probs``) after
+        temperature, top-k, top-p (over the top-k survivors) and min-p. Filtering works on the
+        candidates in rank order: ``topk`` when every row's ``top_k`` is small, else a full sort.
+
+        A seeded row's draws depend only on its own generator and parameters, whatever the batch:
+        with ``top_k`` it draws ``top_k`` values in rank order, without it one value per token
+        in token order (on either path)."""
         dev = logits.device
+        R, V = logits.shape
         temp = to_device([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
                          torch.float32, dev)
         x = logits / temp[:, None]
-        top_k = [r.params.top_k for r in rows]
-        top_p = [r.params.top_p for r in rows]
+        # a greedy row of a sampled batch takes its argmax anyway: its filters do not matter
+        top_k = [0 if r.params.greedy else r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
+        top_p = [1.0 if r.params.greedy else r.params.top_p for r in rows]
         min_p = [r.params.min_p for r in rows]
-        if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
-            x_sorted, order = x.sort(dim=-1, descending=True)
-            vocab = x.shape[-1]
-            k = to_device([k if k > 0 else vocab for k in top_k], torch.long, dev)
-            ranks = torch.arange(vocab, device=dev)[None, :]
-            x_sorted = x_sorted.masked_fill(ranks >= k[:, None], float("-inf"))
+        if not any(top_k) and all(p >= 1 for p in top_p):
+            probs = cls._min_p(x.softmax(dim=-1), min_p, ranked=False)
+            return (probs / cls._noise(rows, top_k, V, None, dev)).argmax(dim=-1)
+        top_k = [1 if r.params.greedy else k for r, k in zip(rows, top_k)]  # (one candidate: its argmax)
+        if all(0 < k <= cls.CANDIDATES for k in top_k):
+            vals, order = x.topk(max(top_k), dim=-1)  # sorted, descending
+        else:
+            vals, order = x.sort(dim=-1, descending=True)
+        K = vals.shape[1]
+        ranks = torch.arange(K, device=dev)[None, :]
+        kk = to_device([k or K for k in top_k], torch.long, dev)
+        vals = vals.masked_fill(ranks >= kk[:, None], float("-inf"))
+        if any(p < 1 for p in top_p):
+            probs = vals.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of strictly better candidates
             p = to_device(top_p, torch.float32, dev)
-            probs = x_sorted.softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-            x_sorted = x_sorted.masked_fill((before >= p[:, None]) & (ranks > 0), float("-inf"))
-            x = torch.full_like(x, float("-inf")).scatter(-1, order, x_sorted)
-        probs = x.softmax(dim=-1)
-        if any(m > 0 for m in min_p):
-            mp = to_device(min_p, torch.float32, dev)
-            probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
+            vals = vals.masked_fill((before >= p[:, None]) & (ranks > 0), float("-inf"))
+        probs = cls._min_p(vals.softmax(dim=-1), min_p, ranked=True)
+        choice = (probs / cls._noise(rows, top_k, V, order, dev)).argmax(dim=-1)
+        return order.gather(1, choice[:, None])[:, 0]
+
+    @staticmethod
+    def _min_p(probs: torch.Tensor, min_p: list[float], ranked: bool) -> torch.Tensor:
+        """Zero the tokens below ``min_p`` times the row's top probability (column 0 when the
+        columns are in rank order)."""
+        if not any(m > 0 for m in min_p):
+            return probs
+        top = probs[:, :1] if ranked else probs.max(dim=-1, keepdim=True).values
+        mp = to_device(min_p, torch.float32, probs.device)
+        return probs.masked_fill(probs < mp[:, None] * top, 0.0)
+
+    @staticmethod
+    def _noise(rows: list[SampleRow], top_k: list[int], V: int, order: torch.Tensor | None,
+               device: torch.device) -> torch.Tensor:
+        """Exp(1) noise, one column per candidate (``order``: each row's token ids in rank order;
+        None: every token, in token order). One launch serves the unseeded rows; a seeded row
+        draws its own: ``top_k`` values in rank order, or one per token in token order."""
+        noise = torch.empty(len(rows), V if order is None else order.shape[1], device=device).exponential_()
         for i, r in enumerate(rows):
-            noise[i].exponential_(generator=r.generator)
-        return (probs / noise).argmax(dim=-1)
+            if r.generator is None:
+                continue
+            if top_k[i]:
+                noise[i, :top_k[i]].exponential_(generator=r.generator)
+            else:  # order, if any, is a full sort here (the topk path needs every row's top_k)
+                full = torch.empty(V, device=device).exponential_(generator=r.generator)
+                noise[i] = full if order is None else full[order[i]]
+        return noise
