@@ -1,6 +1,6 @@
 """The sampler draws from the filtered softmax: chi-square goodness of fit against an independent
-float64 reference of temperature, top-k, top-p and min-p (fixed seeds, CPU; the GPU run is in
-test_gpu.py), on the top-k path and the full-sort path; a seeded row's tokens do not depend on its
+float64 reference of temperature, top-k, top-p and min-p (fixed seeds; on the CPU, and on a GPU
+when there is one: `make test-gpu`), on the top-k path and the full-sort path; a seeded row's tokens do not depend on its
 batch."""
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ def chi2_critical(df: int, z: float = 3.719) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 def draw(logits: torch.Tensor, params: SamplingParams, n: int, rows: int = 2000,
          neighbour: SamplingParams | None = None) -> np.ndarray:
     """Counts of ``n`` draws with ``params``; with a ``neighbour``, every other row of each batch
@@ -45,7 +48,8 @@ def draw(logits: torch.Tensor, params: SamplingParams, n: int, rows: int = 2000,
     for _ in range(n // step):
         row_params = [neighbour if neighbour and i % 2 else params for i in range(rows)]
         tokens = Sampler._sample(batch, [SampleRow(i, sp) for i, sp in enumerate(row_params)])
-        counts += np.bincount(tokens.numpy()[::2] if neighbour else tokens.numpy(), minlength=logits.shape[0])
+        tokens = tokens.cpu().numpy()
+        counts += np.bincount(tokens[::2] if neighbour else tokens, minlength=logits.shape[0])
     return counts
 
 
@@ -58,12 +62,13 @@ def draw(logits: torch.Tensor, params: SamplingParams, n: int, rows: int = 2000,
     (200, SamplingParams(temperature=1.5, top_k=8), SamplingParams(temperature=1.0)),  # sort, mixed
     (200, SamplingParams(temperature=0.9), None),  # unfiltered
 ])
-def test_sampled_frequencies_match_the_filtered_softmax(vocab, params, neighbour):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_frequencies_match_the_filtered_softmax(vocab, params, neighbour, device):
     torch.manual_seed(0)
     logits = torch.randn(vocab) * 3
     p = reference(logits.numpy(), params.temperature, params.top_k, params.top_p, params.min_p)
     n = 60_000
-    counts = draw(logits, params, n, neighbour=neighbour)
+    counts = draw(logits.to(device), params, n, neighbour=neighbour)
     assert counts[p == 0].sum() == 0  # nothing the filters removed is ever drawn
     support = p > 0
     expected = p[support] * n
