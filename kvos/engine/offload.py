@@ -147,6 +147,8 @@ class OffloadManager:
     def _forget_settled(self) -> None:
         """Drop remembered lookups of requests that left the waiting state (admitted, finished,
         aborted): a request waiting again later (preempted) asks anew."""
+        if not self.lookups:
+            return  # (every step calls this: nothing to scan without a tier lookup in flight)
         requests = self.scheduler.requests
         self.lookups = {rid: e for rid, e in self.lookups.items()
                         if e.request.status == RequestStatus.WAITING and requests.get(rid) is e.request}
