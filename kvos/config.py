@@ -94,6 +94,10 @@ class EngineConfig:
         "group": TIERS,
         "help": "file holding a 32-byte key (raw, or 64 hex digits; keep it mode 600): the disk and Redis tiers "
                 "store blocks AES-256-GCM encrypted and bound to their block hash"})
+    tier_lookahead: int = field(default=1024, metadata={
+        "group": TIERS,
+        "help": "waiting requests whose prefix blocks the CPU tier evicts last, farthest in the queue first "
+                "(0: plain LRU)"})
     write_policy: str = field(default="write_through", metadata={
         "group": TIERS, "choices": WRITE_POLICIES,
         "help": "write_through: a block goes to every tier once computed; write_back: to a tier only when the "
@@ -131,6 +135,8 @@ class EngineConfig:
                               ("preemption_order", PREEMPTION_ORDERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.tier_lookahead, int) or self.tier_lookahead < 0:
+            raise ValueError(f"tier_lookahead must be a non-negative integer, got {self.tier_lookahead!r}")
         if not isinstance(self.eviction_lookahead, int) or self.eviction_lookahead < 0:
             raise ValueError(f"eviction_lookahead must be a non-negative integer, got {self.eviction_lookahead!r}")
         if not isinstance(self.fairness_steps, int) or self.fairness_steps < 1:

@@ -16,8 +16,10 @@ def test_bench_policies_small(tmp_path, capsys):
     report = json.loads(out.read_text())
     rows = report["results"]["synthetic"]
     # per size: without a tier the optimum and 3 policies x 2 lookaheads; with one the optimum of
-    # both memories, plain LRU, 3 device policies, 1 more tier policy and write-back
-    assert len(rows) == 2 * (1 + 3 * 2) + 2 * (1 + 1 + 3 + 1 + 1)
+    # both memories, plain LRU, 3 device policies, 1 more tier policy, write-back, and the tier's
+    # lookahead (1024 by default) write-through and write-back
+    assert len(rows) == 2 * (1 + 3 * 2) + 2 * (1 + 1 + 3 + 1 + 1 + 2)
+    assert sum(1 for r in rows if r["tier_lookahead"]) == 2 * 2
     for r in rows:
         opt = next(o for o in rows if o["policy"] == "belady" and o["size"] == r["size"]
                    and o["tier_blocks"] == r["tier_blocks"])

@@ -343,6 +343,21 @@ def test_tier_load_time_is_bytes_over_the_link_then_the_rest_is_computed():
     assert without["token_hit_rate"] == 0 and without["ttft_s"][2] > r["ttft_s"][2]
 
 
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_tier_lookahead_keeps_what_a_waiting_request_will_hit(write_policy):
+    """All five arrive at once, one runs at a time on a 3-block device over a 4-block tier:
+    [1,2,x] leaves blocks 1 and 2 (its third block never fills), [4,5,.], [7,8,.] and [11,12,.]
+    bring six more. A plain LRU tier has dropped 1 and 2 by the time [1,2,w] runs, so it hits
+    nothing; a tier that knows [1,2,w] is waiting drops the others, and serves it 2 blocks."""
+    bs, n = 512, 3 * 512 - 1
+    trace = [TraceRequest(0.0, n, 1, ids) for ids in ([1, 2, 3], [4, 5, 6], [7, 8, 9], [11, 12, 13], [1, 2, 10])]
+    got = {la: simulate(trace, block_size=bs, num_blocks=4, max_num_seqs=1, eviction_lookahead=0,
+                        tier=SimTierConfig(4, write_policy=write_policy, lookahead=la)) for la in (0, 4)}
+    assert got[0]["token_hit_rate"] == 0
+    assert got[4]["token_hit_rate"] == pytest.approx(2 * bs / (5 * n))
+    assert got[4]["tier_loaded_blocks"] == 2
+
+
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_no_tier_setting_beats_the_optimum_of_both_memories(data):
@@ -359,7 +374,8 @@ def test_no_tier_setting_beats_the_optimum_of_both_memories(data):
                    eviction_policy="belady")
     device = data.draw(st.sampled_from(["lru", "fifo", "lfu", "s3fifo", "arc", "weighted"]))
     cfg = SimTierConfig(tier_blocks, data.draw(st.sampled_from(["lru", "lfu", "s3fifo", "weighted"])),
-                        data.draw(st.sampled_from(["write_through", "write_back"])))
+                        data.draw(st.sampled_from(["write_through", "write_back"])),
+                        lookahead=data.draw(st.sampled_from([0, 4])))
     r = simulate(trace, block_size=512, num_blocks=size, max_num_seqs=1, eviction_policy=device,
                  eviction_lookahead=data.draw(st.sampled_from([0, 4])), tier=cfg)
     assert r["token_hit_rate"] <= opt["token_hit_rate"] + 1e-12

@@ -170,7 +170,7 @@ def test_slot_arena_lru_reuse_capacity_and_lazy_growth():
     assert sorted(slots) == list(range(5)) and arena.alloc() is None
     assert all(bytes(arena.view(s)) == bytes([i]) * 100 for i, s in enumerate(slots))  # no overlap
     assert arena.lookup(keys[0]) == slots[0]  # now the most recently used
-    assert arena.evict_lru() == (keys[1], slots[1])
+    assert arena.evict() == (keys[1], slots[1])
     arena.bind(keys[5], slots[1])  # an evicted slot is reused as is
     arena.drop(keys[2])
     assert keys[2] not in arena and arena.alloc() == slots[2]  # a dropped slot is free again

@@ -35,6 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier-policies", nargs="+", default=[p for p in POLICIES if p != "belady"],
                    choices=[p for p in POLICIES if p != "belady"],
                    help="the tier's own policies to compare (under device LRU with the largest lookahead)")
+    p.add_argument("--tier-lookaheads", type=int, nargs="+", default=[0, 1024],
+                   help="the tier's lookahead settings to compare (waiting requests whose blocks it evicts last)")
     p.add_argument("--max-num-seqs", type=int, default=1, help="1: one request at a time, as the issue's setup")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--output", default="benchmarks/results/policies.json")
@@ -42,7 +44,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _one(args: tuple) -> dict:
-    trace_path, limit, size, policy, lookahead, max_num_seqs, tier_blocks, tier_policy, write_policy = args
+    trace_path, limit, size, policy, lookahead, max_num_seqs, tier_blocks, tier_policy, write_policy, tier_la = args
     from kvos.sim.cost_model import CostModel
     from kvos.sim.hardware import GPUS
     from kvos.sim.shapes import PRESETS
@@ -53,7 +55,7 @@ def _one(args: tuple) -> dict:
     trace = load_mooncake(trace_path)
     trace = trace[:limit] if limit else trace
     cost = CostModel.for_model(PRESETS["llama-3.1-8b"], GPUS["H100-80G"])
-    tier = SimTierConfig(tier_blocks, tier_policy, write_policy) if tier_blocks else None
+    tier = SimTierConfig(tier_blocks, tier_policy, write_policy, lookahead=tier_la) if tier_blocks else None
     cfg = SimConfig(block_size=512, num_blocks=size + (tier_blocks if policy == "belady" else 0),
                     eviction_policy=policy, max_num_seqs=max_num_seqs, eviction_lookahead=lookahead,
                     tier=None if policy == "belady" else tier)
@@ -62,6 +64,7 @@ def _one(args: tuple) -> dict:
     return {"size": size, "policy": policy, "lookahead": lookahead, "tier_blocks": tier_blocks,
             "tier_policy": tier_policy if tier_blocks else None,
             "tier_write_policy": write_policy if tier_blocks else None,
+            "tier_lookahead": tier_la if tier_blocks else None,
             "tier_token_hit_rate": r.get("tier_token_hit_rate", 0.0), "token_hit_rate": r["token_hit_rate"],
             "block_hit_rate": r["block_hit_rate"], "ttft_p50_s": r["ttft_p50_s"], "ttft_p90_s": r["ttft_p90_s"],
             "ttft_mean_s": r["ttft_mean_s"], "evictions": r["evictions"], "sim_wall_s": time.perf_counter() - t}
@@ -99,18 +102,21 @@ def run(a: argparse.Namespace) -> int:
 
 
 def settings(a: argparse.Namespace, tier_blocks: int) -> list[tuple]:
-    """(device policy, lookahead, tier blocks, tier policy, write policy) to run at one size:
-    without a tier, every device policy at every lookahead; with one, plain LRU on both, every
-    device policy at the largest lookahead over an LRU tier, and device LRU at that lookahead
-    over every tier policy, write-through, then write-back."""
+    """(device policy, lookahead, tier blocks, tier policy, write policy, tier lookahead) to run
+    at one size: without a tier, every device policy at every lookahead; with one, plain LRU on
+    both, every device policy at the largest lookahead over a plain LRU tier, device LRU at that
+    lookahead over every tier policy, write-through, then write-back, and over an LRU tier at
+    each tier lookahead, write-through and write-back."""
     if not tier_blocks:
-        return [("belady", 0, 0, "lru", "write_through")] + [
-            (p, la, 0, "lru", "write_through") for p in a.policies for la in a.lookaheads]
+        return [("belady", 0, 0, "lru", "write_through", 0)] + [
+            (p, la, 0, "lru", "write_through", 0) for p in a.policies for la in a.lookaheads]
     la = max(a.lookaheads)
-    out = [("belady", 0, tier_blocks, "lru", "write_through"), ("lru", 0, tier_blocks, "lru", "write_through")]
-    out += [(p, la, tier_blocks, "lru", "write_through") for p in a.policies]
-    out += [("lru", la, tier_blocks, tp, "write_through") for tp in a.tier_policies if tp != "lru"]
-    out.append(("lru", la, tier_blocks, "lru", "write_back"))
+    out = [("belady", 0, tier_blocks, "lru", "write_through", 0), ("lru", 0, tier_blocks, "lru", "write_through", 0)]
+    out += [(p, la, tier_blocks, "lru", "write_through", 0) for p in a.policies]
+    out += [("lru", la, tier_blocks, tp, "write_through", 0) for tp in a.tier_policies if tp != "lru"]
+    out.append(("lru", la, tier_blocks, "lru", "write_back", 0))
+    out += [("lru", la, tier_blocks, "lru", wp, tla) for tla in a.tier_lookaheads if tla
+            for wp in ("write_through", "write_back")]
     return list(dict.fromkeys(out))
 
 
@@ -121,6 +127,7 @@ def label(r: dict) -> str:
     text = r["policy"] + (f" +lookahead {r['lookahead']}" if r["lookahead"] else "")
     if r["tier_blocks"]:
         text += f" / tier {r['tier_policy']}" + (" wb" if r["tier_write_policy"] == "write_back" else "")
+        text += f" +lookahead {r['tier_lookahead']}" if r.get("tier_lookahead") else ""
     return text
 
 
@@ -138,7 +145,7 @@ def _groups(rows: list[dict]) -> dict[tuple[float, int], list[dict]]:
 
 def _is_plain_lru(r: dict) -> bool:
     return r["policy"] == "lru" and not r["lookahead"] and (not r["tier_blocks"] or (
-        r["tier_policy"] == "lru" and r["tier_write_policy"] == "write_through"))
+        r["tier_policy"] == "lru" and r["tier_write_policy"] == "write_through" and not r.get("tier_lookahead")))
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -127,7 +127,8 @@ class LLMEngine:
                                     config.remote_cache, config.write_policy,
                                     pinned=self.runner.device.type == "cuda",
                                     encryption_key_file=config.tier_encryption_key_file)
-        self.offload = OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler) if hierarchy else None
+        self.offload = (OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler, config.tier_lookahead)
+                        if hierarchy else None)
         if config.preemption_mode == "swap":
             self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))
         self._groups: dict[str, _Group] = {}

@@ -93,8 +93,12 @@ class OffloadManager:
     ``finish_loading`` counts only what was loaded: the rest of the prompt is recomputed.
     """
 
-    def __init__(self, hierarchy: TierHierarchy, runner, pool: BlockPool, scheduler: Scheduler) -> None:
+    def __init__(self, hierarchy: TierHierarchy, runner, pool: BlockPool, scheduler: Scheduler,
+                 lookahead: int = 0) -> None:
         self.h = hierarchy
+        self.lookahead = lookahead
+        self.cpu = next((t for t in hierarchy.tiers if isinstance(t, CPUTier)), None)
+        self._demand_of: tuple[str, ...] = ()  # the waiting head the CPU tier's demand was built from
         self.runner = runner
         self.pool = pool
         self.scheduler = scheduler
@@ -118,8 +122,33 @@ class OffloadManager:
         assert block.block_hash is not None
         self._store([block], True)
 
+    def publish_demand(self) -> None:
+        """Tell the CPU tier which blocks the next ``lookahead`` waiting requests will hit
+        (``SlotArena``: evicted last, farthest in the queue first). Rebuilt only when the
+        waiting head changed and the tier's free slots could run out within a step (a step
+        stores at most one block per scheduled token and evicts at most as many): about
+        3 ms for 1,024 waiting requests of 30 blocks."""
+        free = None if self.cpu is None or not self.lookahead else self.cpu.free_slots()
+        cfg, kv = self.scheduler.config, self.scheduler.kv
+        bs = kv.block_size
+        if free is None or free > 2 * (cfg.max_num_batched_tokens // bs + cfg.max_num_seqs):
+            return
+        head = self.scheduler.waiting_head(self.lookahead)
+        ids = tuple(r.request_id for r in head)
+        if ids == self._demand_of:
+            return
+        self._demand_of = ids
+        demand: dict[BlockHash, tuple[int, int]] = {}
+        for rank in range(len(head) - 1, -1, -1):  # an earlier request's claim overwrites a later one's
+            req = head[rank]
+            n = (req.num_tokens - 1) // bs  # blocks it could hit (its last prompt token is always computed)
+            demand.update(zip(kv.block_hashes(req)[:n], zip([rank] * n, range(n))))
+        self.cpu.set_demand(demand)
+
     def after_step(self) -> None:
-        """Write-through: back up every block registered this step."""
+        """Publish the waiting queue's demand, then (write-through) back up every block
+        registered this step."""
+        self.publish_demand()
         if self.pool.newly_cached:
             blocks = [b for b in self.pool.newly_cached if b.block_hash is not None]
             self.pool.newly_cached.clear()

@@ -209,11 +209,14 @@ class Scheduler:
             return (req.priority, -req.num_computed_tokens, req.arrival, req.sample_index)
         return self._key(req)
 
+    def waiting_head(self, n: int) -> list[Request]:
+        """The first ``n`` waiting requests in queue order that can hit the prefix cache."""
+        return [r for _, r in heapq.nsmallest(n, self._waiting) if not r.needs_all_prompt_positions]
+
     def _waiting_head(self) -> list[Request]:
         """The next ``eviction_lookahead`` waiting requests in queue order, after the one being
         admitted now (still at the head; its own hits are referenced before it allocates)."""
-        return [r for _, r in heapq.nsmallest(self.config.eviction_lookahead + 1, self._waiting)
-                if not r.needs_all_prompt_positions]
+        return self.waiting_head(self.config.eviction_lookahead + 1)
 
     def schedule(self) -> SchedulerOutput:
         if self.config.eviction_lookahead and self._waiting:

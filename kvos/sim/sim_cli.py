@@ -79,6 +79,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--tier-gb", type=float, default=None, help="CPU-tier size in GiB of KV for --model")
     t.add_argument("--tier-policy", default="lru", choices=list(POLICIES), help="the tier's own eviction policy")
     t.add_argument("--tier-write-policy", default="write_through", choices=["write_through", "write_back"])
+    t.add_argument("--tier-lookahead", type=int, default=1024,
+                   help="waiting requests whose tier blocks are evicted last (the engine's --tier-lookahead; 0: off)")
     t.add_argument("--tier-bandwidth-gbs", type=float, default=27.0,
                    help="tier-to-device load rate in GB/s (kvos's measured CPU-tier loads on an H100 host)")
     o = p.add_argument_group("output")
@@ -166,7 +168,8 @@ def build(a: argparse.Namespace):
     if tier_blocks:
         from kvos.sim.tier import SimTierConfig
 
-        tier = SimTierConfig(tier_blocks, a.tier_policy, a.tier_write_policy, a.tier_bandwidth_gbs * 1e9)
+        tier = SimTierConfig(tier_blocks, a.tier_policy, a.tier_write_policy, a.tier_bandwidth_gbs * 1e9,
+                             a.tier_lookahead)
     cfg = SimConfig(block_size=a.block_size, num_blocks=blocks, eviction_policy=a.eviction_policy,
                     scheduling_policy=a.scheduling_policy, allocator=a.allocator,
                     max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
@@ -209,7 +212,8 @@ def format_report(r: dict) -> str:
             ("concurrency", f"{r['running_mean']:,.1f} running requests on average, peak {r['running_peak']:,}"),
             ("events", f"preemptions {r['preemptions']:,}, evictions {r['evictions']:,}, "
                        f"recomputed tokens {r['recomputed_tokens']:,}"),
-            *([("CPU tier", f"{r['tier_blocks']:,} blocks, evict {r['tier_policy']}, {r['tier_write_policy']}; "
+            *([("CPU tier", f"{r['tier_blocks']:,} blocks, evict {r['tier_policy']} (lookahead {r['tier_lookahead']}), "
+                            f"{r['tier_write_policy']}; "
                             f"served {r['tier_token_hit_rate']:.2%} of prompt tokens, loaded "
                             f"{r['tier_loaded_blocks']:,} blocks ({r['tier_load_busy_s']:,.2f} s of link time)")]
               if "tier_blocks" in r else []),

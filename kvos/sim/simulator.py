@@ -6,6 +6,7 @@ import heapq
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -153,11 +154,19 @@ class Simulator:
         if config.tier is not None:
             self.tier = SimTier(config.tier, bs, cost.kv_bytes_per_token * bs)
             self.scheduler.lower_tier_lookup = self.tier.lookup
+            self.tier.demand = self._waiting_hashes
             pool = self.kv.pool
             if config.tier.write_policy == "write_through":
                 pool.newly_cached = []
             else:
                 pool.on_evict = self.tier.store
+
+    def _waiting_hashes(self, n: int) -> Iterator[list[bytes]]:
+        """The prompt blocks each of the next ``n`` waiting requests could hit, in queue order
+        (as ``OffloadManager.publish_demand`` tells the engine's CPU tier)."""
+        bs = self.cfg.block_size
+        for r in self.scheduler.waiting_head(n):
+            yield self.kv.block_hashes(r)[: (r.num_tokens - 1) // bs]
 
     # -- Belady's oracle: the requests (by arrival index) that will use each block hash ----
     def _build_oracle(self) -> None:
@@ -277,6 +286,8 @@ class Simulator:
                     if block.block_hash is not None:  # (not evicted since)
                         self.tier.store(block)
                 kv.pool.newly_cached.clear()
+            if self.tier is not None:
+                self.tier.end_step()
             for req in finished:
                 first.setdefault(req.request_id, clock)
                 if req.is_finished:

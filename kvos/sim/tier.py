@@ -2,6 +2,7 @@
 engine's own ``BlockPool`` and eviction policies, and when a load over the host link ends."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvos.cache.block import BlockHash, KVBlock
@@ -21,6 +22,9 @@ class SimTierConfig:
     load_bandwidth: float = 27e9
     """Bytes/s of a tier-to-device load: kvos's measured CPU-tier load rate on the H100 host
     (pinned host-to-device is 55 GB/s; xxh3 verification on host threads halves it)."""
+    lookahead: int = 1024
+    """Waiting requests whose tier blocks are evicted last, farthest in the queue first (0: the
+    tier's policy alone); the engine's ``tier_lookahead``."""
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -30,6 +34,8 @@ class SimTierConfig:
                              f"got {self.policy!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"tier write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.lookahead < 0:
+            raise ValueError(f"tier lookahead must be >= 0, got {self.lookahead}")
         if self.load_bandwidth <= 0:
             raise ValueError(f"tier load_bandwidth must be > 0, got {self.load_bandwidth}")
 
@@ -51,6 +57,35 @@ class SimTier:
         self.link_free_at = 0.0
         self.stored = self.loaded = self.dropped = 0
         self.busy_s = 0.0
+        self.demand: Callable[[int], Iterable[list[BlockHash]]] | None = None
+        """The block hashes of the next ``n`` waiting requests, in queue order (set by the
+        simulator when ``lookahead`` is on); read at a step's first tier eviction."""
+        self._held = False
+        if config.lookahead:
+            self.pool.before_evict = self._protect_demand
+
+    def _protect_demand(self) -> None:
+        if self._held or self.demand is None:
+            return
+        self._held = True
+        index = self.pool.index
+        for rank, hashes in enumerate(self.demand(self.cfg.lookahead)):
+            run: list[KVBlock] = []
+            for h in hashes:
+                b = index.get(h)
+                if b is not None:
+                    run.append(b)
+                elif run:
+                    self.pool.hold(run, rank)
+                    run = []
+            if run:
+                self.pool.hold(run, rank)
+
+    def end_step(self) -> None:
+        """Forget the step's demand: held slots go back to the tier's policy."""
+        if self._held:
+            self._held = False
+            self.pool.release_held()
 
     def lookup(self, request: object, hashes: list[BlockHash]) -> int:
         """How many leading ``hashes`` (of ``request``'s prompt) the tier holds, answered at once
@@ -101,6 +136,6 @@ class SimTier:
 
     def report(self) -> dict:
         return {"tier_blocks": self.cfg.num_blocks, "tier_policy": self.cfg.policy,
-                "tier_write_policy": self.cfg.write_policy, "tier_stored_blocks": self.stored,
+                "tier_write_policy": self.cfg.write_policy, "tier_lookahead": self.cfg.lookahead, "tier_stored_blocks": self.stored,
                 "tier_loaded_blocks": self.loaded, "tier_evictions": self.dropped,
                 "tier_load_busy_s": self.busy_s}

@@ -1,6 +1,8 @@
-"""Fixed-size slots of host memory keyed by block hash: LRU order, a free list, lazy growth."""
+"""Fixed-size slots of host memory keyed by block hash: LRU order with demand protection, a
+free list, lazy growth."""
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -11,6 +13,10 @@ Allocate = Callable[[int], memoryview]
 for the arena's lifetime (the engine passes pinned memory when it runs on a GPU)."""
 
 DEFAULT_CHUNK_BYTES = 128 << 20
+
+Demand = dict[BlockHash, tuple[int, int]]
+"""Per block hash a waiting request will hit: (its first waiting user's queue position, the
+block's position in that request's chain)."""
 
 
 def allocate_bytearray(nbytes: int) -> memoryview:
@@ -24,7 +30,13 @@ class SlotArena:
     Memory comes from ``allocate`` one chunk (about ``chunk_bytes``) at a time, only when the free
     list is empty, so a large tier does not reserve (or pin) its whole capacity at start; it is
     never returned. A key's slot is found with ``lookup`` (which makes it most recently used);
-    ``evict_lru`` and ``drop`` unbind a key.
+    ``evict`` and ``drop`` unbind a key.
+
+    Demand (``set_demand``, the waiting queue's next hits): ``evict`` takes the least recently
+    used key that no waiting request will hit; only when every key is wanted does it take the
+    one wanted farthest back in the queue (deepest in its chain first), as the device pool's
+    ``BlockPool.hold`` does. Wanted keys met on the way are set aside, and go back to their
+    places in LRU order when the demand changes.
 
     Safety rule: a view of a slot aliases the arena's memory. It stays valid until that slot is
     handed out again by ``alloc`` or taken by ``evict_lru`` and rewritten; the owner decides when
@@ -46,12 +58,22 @@ class SlotArena:
         self._num_slots = 0  # slots in allocated chunks
         self._free: list[int] = []
         self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self.demand: Demand = {}
+        self._held: dict[BlockHash, int] = {}  # wanted keys taken off the LRU front, under _held_for
+        self._held_seq: list[BlockHash] = []  # in the order they left the front
+        self._held_heap: list[tuple[int, int, int, BlockHash]] = []  # (-rank, -depth, seq, key)
+        self._held_for: Demand | None = None
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._lru) + len(self._held)
 
     def __contains__(self, key: BlockHash) -> bool:
-        return key in self._lru
+        return key in self._lru or key in self._held
+
+    def set_demand(self, demand: Demand) -> None:
+        """The waiting queue's wanted keys from now on (replaces the previous demand; the
+        mapping must not be mutated afterwards)."""
+        self.demand = demand
 
     @property
     def reserved_bytes(self) -> int:
@@ -66,6 +88,10 @@ class SlotArena:
         slot = self._lru.get(key)
         if slot is not None:
             self._lru.move_to_end(key)
+            return slot
+        slot = self._held.pop(key, None)
+        if slot is not None:  # used now: back in LRU order, most recent
+            self._lru[key] = slot
         return slot
 
     def alloc(self) -> int | None:
@@ -83,15 +109,47 @@ class SlotArena:
         return self._free.pop()
 
     def bind(self, key: BlockHash, slot: int) -> None:
-        """``key`` now lives in ``slot`` (from ``alloc`` or ``evict_lru``), most recently used."""
+        """``key`` now lives in ``slot`` (from ``alloc`` or ``evict``), most recently used."""
         self._lru[key] = slot
 
-    def evict_lru(self) -> tuple[BlockHash, int]:
-        """Unbind the least recently used key; its slot (content intact) goes to the caller."""
-        return self._lru.popitem(last=False)
+    def evict(self) -> tuple[BlockHash, int]:
+        """Unbind the least recently used key no waiting request wants (else the one wanted
+        farthest back); its slot (content intact) goes to the caller. KeyError if none is bound."""
+        if self._held_for is not self.demand:
+            self._release_held()
+        demand = self.demand
+        while self._lru:
+            key, slot = self._lru.popitem(last=False)
+            want = demand.get(key)
+            if want is None:
+                return key, slot
+            self._held[key] = slot
+            self._held_seq.append(key)
+            heapq.heappush(self._held_heap, (-want[0], -want[1], len(self._held_seq), key))
+            self._held_for = demand
+        while self._held_heap:
+            key = heapq.heappop(self._held_heap)[3]
+            slot = self._held.pop(key, None)
+            if slot is not None:
+                return key, slot
+        raise KeyError("no key is bound")
+
+    def _release_held(self) -> None:
+        """Put the set-aside keys back at the LRU front, in their old order."""
+        for key in reversed(self._held_seq):
+            slot = self._held.pop(key, None)
+            if slot is not None:
+                self._lru[key] = slot
+                self._lru.move_to_end(key, last=False)
+        self._held.clear()
+        self._held_seq.clear()
+        self._held_heap.clear()
+        self._held_for = None
 
     def drop(self, key: BlockHash) -> None:
         """Unbind ``key``; its slot goes back to the free list."""
         slot = self._lru.pop(key, None)
+        if slot is None:
+            slot = self._held.pop(key, None)
         if slot is not None:
             self._free.append(slot)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvos.cache.block import BlockHash
-from kvos.cache.tiers.arena import DEFAULT_CHUNK_BYTES, Allocate, SlotArena, allocate_bytearray
+from kvos.cache.tiers.arena import DEFAULT_CHUNK_BYTES, Allocate, Demand, SlotArena, allocate_bytearray
 from kvos.cache.tiers.base import Tier
 from kvos.cache.tiers.codec import HEADER_SIZE
 
@@ -33,6 +33,19 @@ class CPUTier(Tier):
         self.allocate = allocate
         self.chunk_bytes = chunk_bytes
         self.arena: SlotArena | None = None  # made by the first put that fits
+        self._demand: Demand = {}
+
+    def set_demand(self, demand: Demand) -> None:
+        """Blocks the waiting queue will hit: evicted last (``SlotArena``). Any thread."""
+        with self.lock:
+            self._demand = demand
+            if self.arena is not None:
+                self.arena.set_demand(demand)
+
+    def free_slots(self) -> int | None:
+        """Slots not bound to a block (None before the first put sizes them)."""
+        arena = self.arena
+        return None if arena is None else arena.capacity_slots - len(arena)
 
     def _frame(self, slot: int) -> memoryview:
         assert self.arena is not None
@@ -59,6 +72,7 @@ class CPUTier(Tier):
                 try:
                     self.arena = SlotArena(size, self.capacity_bytes, self.allocate, self.chunk_bytes,
                                            self.PAYLOAD_ALIGN)
+                    self.arena.set_demand(self._demand)
                 except ValueError:  # not even one slot of this size fits the capacity
                     self.stats.skipped_writes += 1
                     return False
@@ -67,7 +81,7 @@ class CPUTier(Tier):
                 return False
             slot = self.arena.alloc()
             if slot is None:
-                old_key, slot = self.arena.evict_lru()
+                old_key, slot = self.arena.evict()
                 self.stats.evictions += 1
                 if self.on_evict is not None:  # before the slot is rewritten
                     self.on_evict(old_key, self._frame(slot))
