@@ -18,6 +18,7 @@ from kvos.cache.pins import Pin, PinnedPrefixes
 from kvos.config import EngineConfig
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
+from kvos.engine.step import describe_step
 from kvos.engine.outputs import CompletionOutput, RequestOutput
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.sampling_params import SamplingParams
@@ -282,7 +283,7 @@ class LLMEngine:
             if out.is_empty and not out.finished_ids and self._in_flight is None:
                 self.offload.install_ready(block=True)  # nothing to run until a load or lookup lands
                 return []
-        launched = self.runner.launch(out)
+        launched = self.runner.launch(describe_step(out))
         if not self.async_scheduling:
             return self._finish_step(out, launched)
         previous, self._in_flight = self._in_flight, (out, launched)

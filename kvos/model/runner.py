@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvos.cache.layout import CacheLayout
-from kvos.engine.scheduler import SchedulerOutput
+from kvos.engine.step import SampleTarget, StepDescription
 from kvos.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -225,40 +225,34 @@ class ModelRunner:
         src = rows.to(pages.device, non_blocking=True)
         pages.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=pages.device), src)
 
-    def _generator(self, req) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None or req.sampling_params.greedy:
+    def _generator(self, t: SampleTarget) -> torch.Generator | None:
+        seed = t.params.seed
+        if seed is None or t.params.greedy:
             return None
-        gen = self._generators.get(req.request_id)
+        gen = self._generators.get(t.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed((seed + 0x9E3779B97F4A7C15 * req.sample_index) % (1 << 63))
-            self._generators[req.request_id] = gen
+            gen.manual_seed((seed + 0x9E3779B97F4A7C15 * t.sample_index) % (1 << 63))
+            self._generators[t.request_id] = gen
         return gen
 
     @staticmethod
-    def _history(sr: SampleRow, target, last_rows: dict[str, int]) -> None:
-        """What the sampler needs to adjust ``target``'s logits: its generated tokens (the one
-        the previous step sampled, not yet delivered with async scheduling, read on the device),
-        its prompt (repetition penalty), and its banned stop tokens before ``min_tokens``."""
-        sp = target.sampling_params
-        prev = target.num_pending - 1  # this step's sample is already counted as pending
-        if prev > 1 or (prev == 1 and target.request_id not in last_rows):
-            raise RuntimeError(f"request {target.request_id}: {prev} generated tokens are pending "
+    def _history(sr: SampleRow, t: SampleTarget, last_rows: dict[str, int]) -> None:
+        """What the sampler needs to adjust ``t``'s logits: its generated tokens (the one the
+        previous step sampled, not yet delivered with async scheduling, read on the device), its
+        prompt (repetition penalty), and its banned stop tokens before ``min_tokens``."""
+        prev = t.prev_pending
+        if prev > 1 or (prev == 1 and t.request_id not in last_rows):
+            raise RuntimeError(f"request {t.request_id}: {prev} generated tokens are pending "
                                f"but the previous step sampled at most one")
-        if sp.needs_history:
-            sr.output_ids = target.output_token_ids
-            sr.pending_src = last_rows[target.request_id] if prev == 1 else -1
-            if sp.repetition_penalty != 1.0:
-                sr.prompt_ids = target.prompt_token_ids
-        if len(target.output_token_ids) + prev + 1 < sp.min_tokens:
-            ban = list(sp.stop_token_ids or ())
-            if not sp.ignore_eos:
-                ban.extend(target.eos_token_ids)
-            sr.ban_ids = ban or None
+        if t.output_ids is not None:
+            sr.output_ids = t.output_ids
+            sr.pending_src = last_rows[t.request_id] if prev == 1 else -1
+            sr.prompt_ids = t.prompt_ids
+        sr.ban_ids = t.ban_ids
 
-    def _prepare(self, out: SchedulerOutput):
-        seqs = sorted(out.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
+    def _prepare(self, step: StepDescription):
+        seqs = sorted(step.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         bs = self.block_size
         n = len(seqs)
         qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, n)
@@ -279,7 +273,7 @@ class ModelRunner:
             if len(known) < s.num_new_tokens:
                 if last_rows is None:
                     last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
-                rid = s.request.request_id
+                rid = s.request_id
                 if rid not in last_rows or s.num_new_tokens - len(known) != 1:
                     raise RuntimeError(f"request {rid}: an input token is pending but was not "
                                        f"sampled by the previous step")
@@ -288,22 +282,18 @@ class ModelRunner:
                 ids.append(0)
             for g, blocks in enumerate(block_lists[i]):
                 tables[g, i, : len(blocks)] = blocks
-            k = s.request.sampling_params.prompt_logprobs
-            if k is not None:  # row p scores prompt token p + 1 (the last prompt row samples)
-                prompt = s.request.prompt_token_ids
-                hi = min(s.start + s.num_new_tokens, len(prompt) - 1)
-                if hi > s.start:
-                    plp_rows.extend(range(t, t + hi - s.start))
-                    plp_entries.append(PromptLogprobRows(s.request.request_id, s.start + 1,
-                                                         prompt[s.start + 1: hi + 1], k))
+            if s.prompt_logprobs is not None:  # row p scores prompt token p + 1 (the last prompt row samples)
+                k, scored = s.prompt_logprobs
+                plp_rows.extend(range(t, t + len(scored)))
+                plp_entries.append(PromptLogprobRows(s.request_id, s.start + 1, scored, k))
             t += s.num_new_tokens
             if s.samplers:
                 row = len(logit_rows)
                 logit_rows.append(t - 1)
-                row_ids.append(s.request.request_id)
+                row_ids.append(s.request_id)
                 for target in s.samplers:
-                    sr = SampleRow(row, target.sampling_params, self._generator(target))
-                    if target.sampling_params.adjusts_logits:
+                    sr = SampleRow(row, target.params, self._generator(target))
+                    if target.params.adjusts_logits:
                         if last_rows is None:
                             last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
                         self._history(sr, target, last_rows)
@@ -342,26 +332,26 @@ class ModelRunner:
         return input_ids, pos_t, metas, tables_t, slots_t, logit_idx, row_ids, sample_rows, targets, plp
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, step: StepDescription) -> dict[str, SampledToken]:
         """Run one step; returns a sampled token for every sampling target of the step."""
-        return self.collect(self.launch(out))
+        return self.collect(self.launch(step))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+    def launch(self, step: StepDescription) -> LaunchedStep:
         """Queue one step on the device (copy-on-write copies, forward pass, sampling) without
         waiting for it. Inputs still pending on the host (async scheduling) are read on the
         device from the tokens sampled by the previous ``launch``, which must therefore be the
         step before this one. Safety rule: launches are serialised on one stream, so a step
         sees every write of the steps launched before it."""
-        for rid in out.finished_ids:
+        for rid in step.finished_ids:
             self._generators.pop(rid, None)
         assert self.kv_buffer is not None, "allocate_kv_cache first"
-        for group, src, dst in out.copies:
+        for group, src, dst in step.copies:
             self.group_pages[group][dst].copy_(self.group_pages[group][src])
-        if out.is_empty:
+        if step.is_empty:
             return LaunchedStep([], None)
         (input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets,
-         plp) = self._prepare(out)
+         plp) = self._prepare(step)
         meta, g = metas[0], self.graphs
         if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
                 g.can_run(meta.num_decodes, tables.shape[2]):
