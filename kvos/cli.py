@@ -211,8 +211,23 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from kvos.serve.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
-    name = a.served_model_name or engine.model_path.name.removesuffix(".gguf").split(".")[0]
+    if a.decode_engines and not a.prefill_engines:
+        raise SystemExit("--decode-engines needs --prefill-engines")
+    if a.prefill_engines and a.data_parallel > 1:
+        raise SystemExit("--data-parallel and --prefill-engines/--decode-engines exclude each other")
+    if a.data_parallel > 1 or a.prefill_engines:
+        from kvos.distributed import DataParallelEngine
+        from kvos.model.loader import resolve_model_path
+
+        kwargs = engine_kwargs(a)
+        EngineConfig(**kwargs)  # bad options fail here, before any actor starts
+        engine = DataParallelEngine(kwargs, (a.decode_engines or 1) if a.prefill_engines else a.data_parallel,
+                                    a.router, a.ray_address, a.kv_weight, prefill_engines=a.prefill_engines or 0)
+        model_path = resolve_model_path(kwargs["model"])
+    else:
+        engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
+        model_path = engine.model_path
+    name = a.served_model_name or model_path.name.removesuffix(".gguf").split(".")[0]
     from kvos.serve.limits import DrainingServer, guarded_protocol
 
     app = create_app(engine, name, api_keys=a.api_key, max_waiting=a.max_waiting_requests,
@@ -266,6 +281,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("hybrid", "hybrid", "hybrid KV layouts side by side: 32K-request capacity, waste, long-context tok/s", True),
     ("kv-speed", "kv_speed", "KV in the model's dtype vs 8 bits: tokens held, long-context tok/s, decode roofline", True),
     ("policies", "policies", "eviction policies vs the offline optimum on the Mooncake traces (simulated)", False),
+    ("routing", "routing", "routers across 4-64 simulated engines: hit rate, TTFT, load imbalance (Mooncake)", False),
     ("kv-quant", "kv_quant", "quantized KV accuracy vs the model's dtype: greedy agreement, logit error, perplexity", False),
 ]
 
@@ -311,6 +327,23 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--shutdown-timeout-s", type=float, default=limits.DEFAULT_SHUTDOWN_TIMEOUT_S,
                     help="on SIGTERM/SIGINT, wait this long for requests in flight, then end them (a stream gets an "
                          "error event and [DONE]); /health is 503 meanwhile (default: 30)")
+    dp = s.add_argument_group("several engines (Ray)")
+    dp.add_argument("--data-parallel", type=_positive(int), default=1, metavar="N",
+                    help="N engine actors on a Ray cluster (one per GPU on a GPU host) behind one endpoint and a "
+                         "router; with no cluster running, a local one is started")
+    dp.add_argument("--router", default="kv_aware", choices=["round_robin", "least_loaded", "kv_aware", "approx"],
+                    help="kv_aware: the engine already holding most of the prompt's prefix (from its KV events), "
+                         "weighed against its load; approx: the same from the router's own record, no events")
+    dp.add_argument("--kv-weight", type=float, default=16.0,
+                    help="kv_aware/approx: weight of the prefill an engine would do (prompt blocks it lacks plus "
+                         "its queued prefill) against its active decode blocks")
+    dp.add_argument("--prefill-engines", type=_positive(int), default=None, metavar="P",
+                    help="disaggregated prefill: P engines compute prompts and send their KV blocks to the decode "
+                         "engines (--decode-engines), which generate")
+    dp.add_argument("--decode-engines", type=_positive(int), default=None, metavar="D",
+                    help="with --prefill-engines: D engines that generate (default 1)")
+    dp.add_argument("--ray-address", default=None,
+                    help="join this Ray cluster (e.g. auto, or HOST:6379 after 'ray start --head')")
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
     et = sub.add_parser("export-tokenizer", help="save the model's tokenizer as a Hugging Face tokenizer folder "

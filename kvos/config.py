@@ -94,6 +94,10 @@ class EngineConfig:
         "group": TIERS,
         "help": "file holding a 32-byte key (raw, or 64 hex digits; keep it mode 600): the disk and Redis tiers "
                 "store blocks AES-256-GCM encrypted and bound to their block hash"})
+    kv_transfer_gb: float = field(default=0.0, metadata={
+        "group": TIERS,
+        "help": "host memory for KV blocks that another engine computed and sent (the decode engines of "
+                "disaggregated prefill); 0: off"})
     tier_lookahead: int = field(default=1024, metadata={
         "group": TIERS,
         "help": "waiting requests whose prefix blocks the CPU tier evicts last, farthest in the queue first "

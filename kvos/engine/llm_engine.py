@@ -68,6 +68,20 @@ class _Group:
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs.values())
 
 
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A text prompt's token ids (special tokens as the tokenizer adds them); ``ValueError``
+    naming ``prompt`` if it is empty or cannot be encoded."""
+    if not prompt:
+        raise ValueError("prompt must be a non-empty string")
+    try:
+        ids = list(tokenizer(prompt).input_ids)
+    except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+        raise ValueError(f"prompt cannot be tokenized ({type(e).__name__}: {e})") from e
+    if not ids:
+        raise ValueError(f"prompt {prompt[:20]!r} encodes to no tokens")
+    return ids
+
+
 class LLMEngine:
     """Owns the tokenizer, the KV memory system, the scheduler and the model runner.
 
@@ -101,7 +115,7 @@ class LLMEngine:
                              f"(kv_cache_memory_bytes={config.kv_cache_memory_bytes}, "
                              f"gpu_memory_utilization={config.gpu_memory_utilization})")
         hybrid = len(self.layout.groups) > 1
-        if hybrid and (config.cpu_cache_gb or config.disk_cache_dir or config.remote_cache
+        if hybrid and (config.cpu_cache_gb or config.disk_cache_dir or config.remote_cache or config.kv_transfer_gb
                        or config.preemption_mode == "swap"):
             raise ValueError("tiers below the device (cpu_cache_gb, disk_cache_dir, remote_cache) and "
                              "preemption_mode='swap' need a single cache group; this model's layout "
@@ -127,7 +141,8 @@ class LLMEngine:
         hierarchy = build_hierarchy(config.cpu_cache_gb, config.disk_cache_dir, config.disk_cache_gb,
                                     config.remote_cache, config.write_policy,
                                     pinned=self.runner.device.type == "cuda",
-                                    encryption_key_file=config.tier_encryption_key_file)
+                                    encryption_key_file=config.tier_encryption_key_file,
+                                    transfer_gb=config.kv_transfer_gb)
         self.offload = (OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler, config.tier_lookahead)
                         if hierarchy else None)
         if config.preemption_mode == "swap":
@@ -153,15 +168,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer (random weights); pass prompt_token_ids")
-            if not prompt:
-                raise ValueError("prompt must be a non-empty string")
-            try:
-                ids = list(self.tokenizer(prompt).input_ids)
-            except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
-                raise ValueError(f"prompt cannot be tokenized ({type(e).__name__}: {e})") from e
-            if not ids:
-                raise ValueError(f"prompt {prompt[:20]!r} encodes to no tokens")
-            return prompt, ids
+            return prompt, encode_prompt(self.tokenizer, prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -224,6 +231,10 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         for seq in group.seqs.values():
             self._seq_group.pop(seq.request_id, None)
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests not finished yet."""
+        return list(self._groups)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool
-from kvos.cache.tiers import CPUTier, DiskTier, RedisTier, TierHierarchy
+from kvos.cache.tiers import CPUTier, DiskTier, RedisTier, TierHierarchy, TransferTier
 from kvos.cache.tiers.codec import sealed_codec_from_file
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.scheduler import PrefixLoad, Scheduler
@@ -17,14 +17,16 @@ GIB = 1 << 30
 
 def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_gb: float,
                     remote_cache: str | None, write_policy: str, pinned: bool = False,
-                    encryption_key_file: str | None = None) -> TierHierarchy | None:
+                    encryption_key_file: str | None = None, transfer_gb: float = 0.0) -> TierHierarchy | None:
     """The configured tiers; ``pinned``: the CPU tier's slots are page-locked memory (the engine
     runs on a GPU); ``encryption_key_file`` (``EngineConfig.tier_encryption_key_file``): the disk
     and Redis tiers seal their blocks with AES-256-GCM under that key (the CPU tier, process
     memory, keeps plain keyed-checksum frames)."""
-    tiers = []
-    if cpu_cache_gb < 0 or disk_cache_gb <= 0:
-        raise ValueError("cpu_cache_gb must be >= 0 and disk_cache_gb > 0")
+    tiers: list = []
+    if cpu_cache_gb < 0 or disk_cache_gb <= 0 or transfer_gb < 0:
+        raise ValueError("cpu_cache_gb and kv_transfer_gb must be >= 0 and disk_cache_gb > 0")
+    if transfer_gb:  # first: a transferred prefix is the freshest copy there is
+        tiers.append(TransferTier(int(transfer_gb * GIB)))
     if cpu_cache_gb:
         if pinned:
             from kvos.engine.pinned import PinnedAllocator
@@ -97,7 +99,8 @@ class OffloadManager:
                  lookahead: int = 0) -> None:
         self.h = hierarchy
         self.lookahead = lookahead
-        self.cpu = next((t for t in hierarchy.tiers if isinstance(t, CPUTier)), None)
+        self.cpu = next((t for t in hierarchy.tiers if isinstance(t, CPUTier) and t.receives_stores), None)
+        self.transfer = next((t for t in hierarchy.tiers if isinstance(t, TransferTier)), None)
         self._demand_of: tuple[str, ...] = ()  # the waiting head the CPU tier's demand was built from
         self.runner = runner
         self.pool = pool
@@ -109,7 +112,9 @@ class OffloadManager:
         """Per waiting request id: its latest lookup (answered or not). Entries of requests no
         longer waiting are dropped at the start of each step (``install_ready``)."""
         scheduler.lower_tier_lookup = self.lookup
-        if hierarchy.write_policy == "write_through":
+        if not any(t.receives_stores for t in hierarchy.tiers):
+            pass  # only transferred blocks: nothing of this engine's is stored
+        elif hierarchy.write_policy == "write_through":
             pool.newly_cached = []
         else:
             pool.on_evict = self._on_evict
@@ -216,6 +221,19 @@ class OffloadManager:
                 self.tier_io.install(got, load.block_ids)
             self.scheduler.finish_loading(req, got.sources if got is not None else [])
         self.pending = still
+
+    def receive(self, hashes: list[BlockHash], rows) -> int:
+        """Put blocks another engine computed (``rows``: uint8 ``[n, block_bytes]``, from its
+        ``read_blocks``) into the transfer tier, on the tier I/O thread (the only thread that puts);
+        returns how many were stored. Any thread; blocks until done."""
+        if self.transfer is None:
+            raise RuntimeError("this engine has no transfer tier (kv_transfer_gb is 0)")
+        tier = self.transfer
+
+        def put() -> int:
+            return sum(tier.put(h, rows[i].data) for i, h in enumerate(hashes))
+
+        return self.io.submit(put).result()
 
     def close(self) -> None:
         self.io.shutdown(wait=True)

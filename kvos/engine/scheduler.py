@@ -9,6 +9,7 @@ from typing import Protocol
 from kvos.cache.block import KVBlock
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.engine.request import Request, RequestStatus
+from kvos.router.policies import EngineLoad
 
 
 @dataclass
@@ -208,6 +209,19 @@ class Scheduler:
         if self.config.preemption_order == "least_progress":
             return (req.priority, -req.num_computed_tokens, req.arrival, req.sample_index)
         return self._key(req)
+
+    def load(self) -> EngineLoad:
+        """This engine's load as a router sees it: waiting and running sequences, prompt tokens
+        not computed yet (a waiting request's whole prompt), and the blocks each running
+        sequence spans (shared ones counted per sequence). O(requests)."""
+        bs = self.kv.block_size
+        prefill = 0
+        for r in self.requests.values():
+            left = r.num_prompt_tokens - r.num_computed_tokens
+            if left > 0:
+                prefill += left
+        active = sum((r.num_tokens + bs - 1) // bs for r in self.running)
+        return EngineLoad(self.num_waiting(), len(self.running), prefill, active)
 
     def waiting_head(self, n: int) -> list[Request]:
         """The first ``n`` waiting requests in queue order that can hit the prefix cache."""

@@ -85,7 +85,8 @@ class ServerState:
     def __init__(self, engine: LLMEngine, model_name: str, api_keys: list[str], max_waiting: int,
                  shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         self.engine = engine
-        self.async_engine = AsyncEngine(engine)
+        # a data-parallel front end (kvos.distributed) is its own async engine
+        self.async_engine = engine if hasattr(engine, "submit") else AsyncEngine(engine)
         self.model_name = model_name
         self.api_keys = {k: hashlib.sha256(k.encode()).hexdigest()[:32] for k in api_keys}
         self.max_waiting = max_waiting
@@ -106,7 +107,8 @@ class ServerState:
         self.pin_tenants: dict[str, str | None] = {}  # pin id -> the API-key tenant that made it
         self.max_model_len: int = engine.max_model_len
         config = getattr(engine, "config", None)
-        self.fingerprint = system_fingerprint(kvos.__version__, getattr(getattr(engine, "kv", None), "model_id", model_name),
+        model_id = getattr(engine, "model_id", None) or getattr(getattr(engine, "kv", None), "model_id", model_name)
+        self.fingerprint = system_fingerprint(kvos.__version__, model_id,
                                               getattr(config, "dtype", None), getattr(config, "device", None))
 
     def model_card(self) -> dict:
@@ -293,7 +295,8 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
             _check_length(state, p, body.max_tokens, "max_tokens")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await _submit_all(state, prompts, params, rid, body.priority, _salt(request, body.cache_salt))
+        streams = await _submit_all(state, prompts, params, rid, body.priority, _salt(request, body.cache_salt),
+                                    bool(body.stream))
         if body.stream:
             return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body), body.echo))
         outs = await _collect(state, request, streams)
@@ -314,7 +317,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         params = body.sampling_params(body.effective_max_tokens(), body.effective_logprobs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, [{"prompt_token_ids": ids}], params, rid, body.priority,
-                                    _salt(request, body.cache_salt))
+                                    _salt(request, body.cache_salt), bool(body.stream))
         if body.stream:
             return _sse_response(_chat_chunks(state, rid, streams[0], _UsageMode(body), top_n))
         outs = await _collect(state, request, streams)
@@ -477,11 +480,14 @@ def _check_length(state: ServerState, prompt, max_tokens: int | None, param: str
 
 
 async def _submit_all(state: ServerState, prompts: list, params: SamplingParams, rid: str, priority: int,
-                      salt: str | None) -> list[RequestStream]:
+                      salt: str | None, stream: bool) -> list[RequestStream]:
+    """``stream``: the client sees tokens as they come, so after the first one the request can
+    no longer restart elsewhere (a data-parallel front end retries only what it may)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await state.async_engine.submit(prompt, params, f"{rid}-{i}", priority, salt))
+            streams.append(await state.async_engine.submit(prompt, params, f"{rid}-{i}", priority, salt,
+                                                           retriable=not stream))
     except BaseException:
         for s in streams:
             await s.aclose()

@@ -56,9 +56,10 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     async def submit(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
-                     cache_salt: str | None = None) -> RequestStream:
+                     cache_salt: str | None = None, retriable: bool = False) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises ``ValueError`` (naming
-        the field) if the engine rejects it."""
+        the field) if the engine rejects it. ``retriable`` (may restart elsewhere) means nothing
+        with one engine."""
         if self._closed is not None:
             raise EngineStopped(self._closed)
         loop = asyncio.get_running_loop()

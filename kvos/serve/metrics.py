@@ -86,6 +86,58 @@ class _EngineCollector(Collector):
             for t in tiers:
                 fam.add_metric([t["name"]], t[key])
             yield fam
+        yield from _engine_families(s.get("engines", []))
+        router = s.get("router")
+        if router is not None:
+            yield from _router_families(router)
+
+
+def _engine_families(engines: list[dict]) -> Iterator:
+    """Per-engine figures of a data-parallel server (label ``engine``)."""
+    if not engines:
+        return
+    info = GaugeMetricFamily("kvos:engine_info", "Each engine's process (1 per engine).", labels=["engine", "pid"])
+    for e in engines:
+        info.add_metric([str(e["engine"]), str(e.get("pid", ""))], 1)
+    yield info
+    for name, key, doc, kind in [
+        ("kvos:engine_up", "up", "1 while the engine answers, 0 while it is down.", GaugeMetricFamily),
+        ("kvos:engine_num_requests_running", "running", "Sequences running on the engine.", GaugeMetricFamily),
+        ("kvos:engine_num_requests_waiting", "waiting", "Sequences waiting on the engine.", GaugeMetricFamily),
+        ("kvos:engine_kv_cache_usage_perc", "kv_usage", "Fraction of the engine's KV blocks in use.",
+         GaugeMetricFamily),
+        ("kvos:engine_prefix_cache_queries", "prefix_queries_tokens", "Prompt tokens looked up on the engine.",
+         CounterMetricFamily),
+        ("kvos:engine_prefix_cache_hits", "prefix_hits_tokens", "Prompt tokens found in the engine's cache.",
+         CounterMetricFamily),
+    ]:
+        fam = kind(name, doc, labels=["engine"])
+        for e in engines:
+            if key in e:
+                fam.add_metric([str(e["engine"])], float(e[key]))
+        yield fam
+
+
+def _router_families(r: dict) -> Iterator:
+    routed = CounterMetricFamily("kvos:router_requests", "Requests the router sent to each engine.",
+                                 labels=["engine", "policy"])
+    for i, n in enumerate(r["routed"]):
+        routed.add_metric([str(i), r["policy"]], n)
+    yield routed
+    for name, key, doc in [
+        ("kvos:router_predicted_hit_blocks", "predicted_hit_blocks",
+         "Prompt blocks the router expected the chosen engine to hold."),
+        ("kvos:router_obtained_hit_blocks", "obtained_hit_blocks", "Prompt blocks the chosen engine served."),
+        ("kvos:router_prompt_blocks", "prompt_blocks", "Full prompt blocks of routed requests."),
+        ("kvos:router_retried_requests", "retried", "Requests moved to another engine after a failure."),
+        ("kvos:router_cut_requests", "cut", "Streams ended because their engine failed."),
+        ("kvos:router_engine_failures", "engine_failures", "Engines found dead."),
+        ("kvos:router_resyncs", "resyncs", "KV event gaps resolved from a snapshot."),
+        ("kvos:router_prefills", "prefills", "Requests prefilled on a prefill engine (disaggregated)."),
+        ("kvos:router_transferred_blocks", "transferred_blocks", "KV blocks moved from prefill to decode engines."),
+        ("kvos:router_transfer_seconds", "transfer_s", "Time spent moving KV blocks to decode engines."),
+    ]:
+        yield CounterMetricFamily(name, doc, value=r[key])
 
 
 class ServerMetrics:

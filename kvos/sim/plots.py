@@ -49,3 +49,35 @@ def plot_ttft_cdf(results: dict[str, list[dict]], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_routing(rows: list[dict], reference: str, path: Path, title: str) -> Path:
+    """Two panels against the fleet size: block hit rate per row label (the one-engine reference
+    dashed) and p90 TTFT per router (the reference left out: it has N times less compute)."""
+    plt = _plt()
+    fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    routers = list(dict.fromkeys(r["label"] for r in rows))
+    for i, name in enumerate(routers):
+        pts = sorted(((r["engines"], r) for r in rows if r["label"] == name), key=lambda p: p[0])
+        ns = [n for n, _ in pts]
+        ref = name == reference
+        style = dict(color="k", ls="--") if ref else dict(color=f"C{i % 10}")
+        hit_ax.plot(ns, [100 * r["block_hit_rate"] for _, r in pts], marker="o", label=name, **style)
+        if not ref:
+            ttft_ax.plot(ns, [r["ttft_p90_s"] for _, r in pts], marker="o", label=name, **style)
+    for ax in (hit_ax, ttft_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("engines")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    hit_ax.set_ylabel("prompt blocks served from cache (%)")
+    hit_ax.set_title("Hit rate")
+    ttft_ax.set_yscale("log")
+    ttft_ax.set_ylabel("p90 time to first token (s)")
+    ttft_ax.set_title("p90 TTFT")
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from kvos.cache.eviction import POLICIES
+from kvos.router.policies import ROUTERS
 
 EXAMPLES = """examples:
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks unlimited --json
@@ -19,6 +20,12 @@ EXAMPLES = """examples:
   kvos simulate --synthetic --input-len 1024:4096 --model gemma-3-27b --kv-layout homogeneous --cache-gb 20
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 2000 --tier-blocks 8000 \
                 --tier-policy lru --tier-write-policy write_back
+  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 800 --engines 16 \
+                --router kv_aware --kv-weight 1 --time-scale 0.08
+
+With --engines N > 1 the trace is routed across N engines (--router), each with the pool and
+scheduler given here (pool sizes are per engine); the report adds load imbalance and the
+router's predicted against obtained prefix hits.
 
 With a hybrid --model (sliding-window and full-attention layers, e.g. Gemma 3) the KV memory
 system runs the model's cache layout (--kv-layout, default unified): several cache groups in one
@@ -83,6 +90,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests whose tier blocks are evicted last (the engine's --tier-lookahead; 0: off)")
     t.add_argument("--tier-bandwidth-gbs", type=float, default=27.0,
                    help="tier-to-device load rate in GB/s (kvos's measured CPU-tier loads on an H100 host)")
+    f = p.add_argument_group("a fleet of engines behind a router")
+    f.add_argument("--engines", type=int, default=1, help="simulated engines (1: a single engine, no router)")
+    f.add_argument("--router", default="kv_aware", choices=list(ROUTERS),
+                   help="kv_aware: Dynamo's cost on indexes built from KV events; approx: the same cost on the "
+                        "router's own record of what it sent where")
+    f.add_argument("--kv-weight", type=float, default=16.0,
+                   help="kv_aware/approx overlap weight: cost = weight * (queued + uncached prompt blocks) + "
+                        "active blocks")
+    f.add_argument("--approx-blocks", type=int, default=None,
+                   help="approx: prompt blocks remembered per engine (default: the engine's pool size)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
     o.add_argument("--output", default=None, help="also save the JSON report here")
@@ -224,6 +241,32 @@ def format_report(r: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def format_fleet_report(r: dict) -> str:
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:,.1f} ms"
+
+    weight = f" (weight {r['overlap_weight']:g})" if r["overlap_weight"] is not None else ""
+    rows = [("requests", f"{r['num_requests']:,} ({r['rejected_requests']:,} rejected)"),
+            ("fleet", f"{r['num_engines']} engines x {r['num_blocks_per_engine']} blocks x {r['block_size']} "
+                      f"tokens, evict {r['eviction_policy']}, schedule {r['scheduling_policy']}"),
+            ("router", r["router"] + weight),
+            ("hit rate", f"blocks {r['block_hit_rate']:.2%}, tokens {r['token_hit_rate']:.2%}"),
+            ("predicted hits", f"{r['predicted_hit_blocks']:,} blocks predicted, {r['obtained_hit_blocks']:,} "
+                               f"obtained; exact for {r['prediction_exact']:.1%} of requests"),
+            ("TTFT", f"p50 {ms(r['ttft_p50_s'])}, p90 {ms(r['ttft_p90_s'])}, p99 {ms(r['ttft_p99_s'])}"),
+            ("TPOT", f"p50 {ms(r['tpot_p50_s'])}, p90 {ms(r['tpot_p90_s'])}"),
+            ("e2e", f"p50 {ms(r['e2e_p50_s'])}, p90 {ms(r['e2e_p90_s'])}"),
+            ("imbalance (max/mean)", f"requests {r['imbalance_requests']:.2f}, prompt tokens "
+                                     f"{r['imbalance_prompt_tokens']:.2f}, busy time {r['imbalance_busy']:.2f}"),
+            ("requests per engine", ", ".join(f"{n:,}" for n in r["requests_per_engine"])),
+            ("throughput", f"{r['throughput_tok_s']:,.0f} output tok/s"),
+            ("events", f"preemptions {r['preemptions']:,}, evictions {r['evictions']:,}, "
+                       f"recomputed tokens {r['recomputed_tokens']:,}"),
+            ("simulated", f"{r['makespan_s']:,.1f} s in {r['steps']:,} steps; wall {r['sim_wall_s']:.1f} s")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def sweep(a: argparse.Namespace, trace, base_cfg, cost) -> dict:
     import dataclasses
 
@@ -253,7 +296,18 @@ def run(a: argparse.Namespace) -> int:
 
     trace = load_workload(a)
     cfg, cost = build(a)
-    if a.sweep:
+    if a.engines < 1:
+        raise ValueError(f"engines must be >= 1, got {a.engines}")
+    if a.engines > 1:
+        if a.sweep:
+            raise ValueError("sweep: not available with --engines > 1 (kvos bench routing sweeps fleets)")
+        from kvos.sim.fleet import FleetSimulator
+
+        report = FleetSimulator(trace, cfg, cost, a.engines, a.router, a.kv_weight,
+                                a.approx_blocks).run(progress=a.progress)
+        report.pop("ttft_s")
+        print(json.dumps(report, indent=2) if a.json else format_fleet_report(report))
+    elif a.sweep:
         report = sweep(a, trace, cfg, cost)
         if a.json:
             print(json.dumps(report, indent=2))

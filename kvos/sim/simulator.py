@@ -113,11 +113,19 @@ def percentiles(xs: list[float], prefix: str) -> dict:
             f"{prefix}_mean_s": sum(xs) / len(xs)}
 
 
-class Simulator:
+class EngineSim:
+    """One simulated engine: the real ``Scheduler`` and ``KVCacheManager`` on a clock of its
+    own, fed requests by trace index (``admit``) and advanced one scheduler step at a time
+    (``step``). ``Simulator`` drives one; ``kvos.sim.fleet.FleetSimulator`` drives several.
+
+    Invariant: ``clock`` never decreases; a request admitted at time ``t`` is admitted while
+    ``clock <= t`` or the engine is idle (then ``clock`` jumps to ``t``), so its first step
+    starts no earlier than its arrival. ``first``/``done`` map request ids (the trace index as
+    a string) to the simulated times of the first output token and of the end.
+    """
+
     def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel) -> None:
-        if not trace:
-            raise ValueError("trace: no requests")
-        self.trace = sorted(trace, key=lambda r: r.arrival_s)
+        self.trace = trace
         self.cfg = config
         self.executor = SimExecutor(cost)
         bs = config.block_size
@@ -160,6 +168,23 @@ class Simulator:
                 pool.newly_cached = []
             else:
                 pool.on_evict = self.tier.store
+        self.capacity = self.kv.capacity_tokens(config.max_num_batched_tokens)
+        self.clock = 0.0
+        self.steps = 0
+        self.busy_s = 0.0
+        self.first: dict[str, float] = {}
+        self.done: dict[str, float] = {}
+        self.hit_blocks = self.total_blocks = self.hit_tokens = self.prompt_tokens = 0
+        self.hit_blocks_of: dict[int, int] = {}  # trace index -> leading prompt blocks hit
+        self.util_tokens = self.util_slots = 0
+        self.by_bytes = config.layout is not None and config.allocator == "paged"
+        self.waste_sum, self.waste_steps = 0.0, 0
+        self.group_peak = [0] * self.kv.num_groups
+        self.running_sum = self.running_peak = 0
+        self.index_of: dict[str, int] = {}
+        self.loads: list[tuple[float, int, Request, int]] = []  # (copy ends, arrival, request, blocks)
+        self.tier_hit_tokens = 0
+        self.bar = None  # a tqdm bar to advance per finished request
 
     def _waiting_hashes(self, n: int) -> Iterator[list[bytes]]:
         """The prompt blocks each of the next ``n`` waiting requests could hit, in queue order
@@ -193,124 +218,102 @@ class Simulator:
             if block is not None and block.ref_cnt == 0:
                 policy.update(block)  # type: ignore[attr-defined]
 
-    # -- the loop ----------------------------------------------------------------------
-    def run(self, progress: bool = False) -> dict:
-        cfg, trace, sched, kv = self.cfg, self.trace, self.scheduler, self.kv
-        t_wall = time.perf_counter()
-        clock, nxt, steps = 0.0, 0, 0
-        arrival = [r.arrival_s * cfg.time_scale for r in trace]
-        first: dict[str, float] = {}
-        done: dict[str, float] = {}
-        hit_blocks = total_blocks = hit_tokens = prompt_tokens = 0
-        util_tokens = util_slots = 0
-        by_bytes = cfg.layout is not None and cfg.allocator == "paged"  # utilisation and waste in bytes
-        waste_sum, waste_steps = 0.0, 0
-        group_peak = [0] * kv.num_groups
-        running_sum = running_peak = 0
-        index_of: dict[str, int] = {}
-        capacity = kv.capacity_tokens(cfg.max_num_batched_tokens)
-        rejected = 0
-        loads: list[tuple[float, int, Request, int]] = []  # (copy ends, arrival, request, blocks)
-        tier_hit_tokens = 0
-        bar = tqdm(total=len(trace), desc="simulating", unit="req", disable=not progress)
-        while nxt < len(trace) or sched.has_unfinished():
-            while nxt < len(trace) and arrival[nxt] <= clock:
-                r = trace[nxt]
-                if r.input_len + 1 > capacity:  # the engine rejects such a prompt too
-                    rejected += 1
-                    nxt += 1
-                    continue
-                req = Request(str(nxt), r.prompt_tokens(nxt),
-                              SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-                index_of[req.request_id] = nxt
-                sched.add_request(req)
-                nxt += 1
-            while loads and loads[0][0] <= clock:  # tier loads whose copy has ended
-                _, _, req, n = heapq.heappop(loads)
-                sched.finish_loading(req, [CPU_SOURCE] * n)
-            if not sched.has_unfinished():
-                if nxt < len(trace):
-                    clock = max(clock, arrival[nxt])
-                continue
-            out = sched.schedule()
-            if self.schedule_hook is not None:
-                self.schedule_hook(out)
-            for load in out.loads:
-                assert self.tier is not None
-                n, end = self.tier.load(load.hashes, clock)
-                heapq.heappush(loads, (end, load.request.arrival, load.request, n))
-            if out.is_empty:
-                if loads or nxt < len(trace):
-                    clock = max(clock, min(loads[0][0] if loads else math.inf,
-                                           arrival[nxt] if nxt < len(trace) else math.inf))
-                    continue
-                raise RuntimeError("simulation stalled: the pool cannot hold the waiting requests")
-            for s in out.seqs:
-                req = s.request
-                if req.num_preemptions == 0 and s.start == req.num_cached_tokens and req.request_id not in first \
-                        and s.start < req.num_prompt_tokens and not getattr(req, "_counted", False):
-                    req._counted = True  # type: ignore[attr-defined]
-                    i = index_of[req.request_id]
-                    tr = trace[i]
-                    hb, tb = self._block_hits(req, tr)
-                    hit_blocks += hb
-                    total_blocks += tb
-                    hit_tokens += req.num_cached_tokens
-                    tier_hit_tokens += req.cached_by_source.get(CPU_SOURCE, 0)
-                    prompt_tokens += req.num_prompt_tokens
-                    if self._oracle is not None:
-                        self._consume_uses(i, kv.block_hashes(req))
-            sampled, dt = self.executor.execute(out)
-            clock += dt
-            steps += 1
-            running_sum += len(sched.running)
-            running_peak = max(running_peak, len(sched.running))
-            if by_bytes:  # live KV bytes (sliding layers: their window) over bytes held for running requests
-                mem = kv.memory_breakdown()
-                if mem["held_bytes"]:
-                    util_tokens += mem["live_bytes"]
-                    util_slots += mem["held_bytes"]
-                    waste_sum += mem["waste_fraction"]
-                    waste_steps += 1
-                for g, u in enumerate(kv.group_usage()):
-                    group_peak[g] = max(group_peak[g], u.used)
-            else:
-                for req in sched.running:
-                    held = kv.num_held_blocks(req.request_id)
-                    if held:
-                        util_tokens += req.num_computed_tokens
-                        util_slots += held * cfg.block_size
-            finished = sched.update_from_output(out, sampled)
-            if self.tier is not None and kv.pool.newly_cached:  # write-through
-                for block in kv.pool.newly_cached:
-                    if block.block_hash is not None:  # (not evicted since)
-                        self.tier.store(block)
-                kv.pool.newly_cached.clear()
-            if self.tier is not None:
-                self.tier.end_step()
-            for req in finished:
-                first.setdefault(req.request_id, clock)
-                if req.is_finished:
-                    done[req.request_id] = clock
-                    bar.update(1)
-        bar.close()
-        report = self._report(arrival, first, done, clock, steps, time.perf_counter() - t_wall,
-                              hit_blocks, total_blocks, hit_tokens, prompt_tokens, util_tokens, util_slots)
-        report["rejected_requests"] = rejected
+    # -- driving it --------------------------------------------------------------------
+    def accepts(self, index: int) -> bool:
+        """Whether the engine takes trace request ``index`` (it rejects a prompt it can never hold)."""
+        return self.trace[index].input_len + 1 <= self.capacity
+
+    def admit(self, index: int, at: float | None = None) -> None:
+        """Queue trace request ``index`` (``accepts`` must hold). ``at``: its arrival time; an
+        idle engine's clock moves up to it."""
+        r = self.trace[index]
+        req = Request(str(index), r.prompt_tokens(index),
+                      SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+        self.index_of[req.request_id] = index
+        if at is not None and not self.scheduler.has_unfinished():
+            self.clock = max(self.clock, at)
+        self.scheduler.add_request(req)
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self, next_arrival: float = math.inf) -> None:
+        """One turn of the loop after the arrivals up to ``clock`` are admitted: finish the tier
+        loads that have ended, then run one scheduler step and move the clock by its duration;
+        with nothing to run, move the clock to the next load's end or ``next_arrival``."""
+        cfg, sched, kv, loads = self.cfg, self.scheduler, self.kv, self.loads
+        clock = self.clock
+        while loads and loads[0][0] <= clock:  # tier loads whose copy has ended
+            _, _, req, n = heapq.heappop(loads)
+            sched.finish_loading(req, [CPU_SOURCE] * n)
+        if not sched.has_unfinished():
+            if next_arrival < math.inf:
+                self.clock = max(clock, next_arrival)
+            return
+        out = sched.schedule()
+        if self.schedule_hook is not None:
+            self.schedule_hook(out)
+        for load in out.loads:
+            assert self.tier is not None
+            n, end = self.tier.load(load.hashes, clock)
+            heapq.heappush(loads, (end, load.request.arrival, load.request, n))
+        if out.is_empty:
+            if loads or next_arrival < math.inf:
+                self.clock = max(clock, min(loads[0][0] if loads else math.inf, next_arrival))
+                return
+            raise RuntimeError("simulation stalled: the pool cannot hold the waiting requests")
+        for s in out.seqs:
+            req = s.request
+            if req.num_preemptions == 0 and s.start == req.num_cached_tokens and req.request_id not in self.first \
+                    and s.start < req.num_prompt_tokens and not getattr(req, "_counted", False):
+                req._counted = True  # type: ignore[attr-defined]
+                i = self.index_of[req.request_id]
+                tr = self.trace[i]
+                hb, tb = self._block_hits(req, tr)
+                self.hit_blocks_of[i] = hb
+                self.hit_blocks += hb
+                self.total_blocks += tb
+                self.hit_tokens += req.num_cached_tokens
+                self.tier_hit_tokens += req.cached_by_source.get(CPU_SOURCE, 0)
+                self.prompt_tokens += req.num_prompt_tokens
+                if self._oracle is not None:
+                    self._consume_uses(i, kv.block_hashes(req))
+        sampled, dt = self.executor.execute(out)
+        clock += dt
+        self.clock = clock
+        self.busy_s += dt
+        self.steps += 1
+        self.running_sum += len(sched.running)
+        self.running_peak = max(self.running_peak, len(sched.running))
+        if self.by_bytes:  # live KV bytes (sliding layers: their window) over bytes held for running requests
+            mem = kv.memory_breakdown()
+            if mem["held_bytes"]:
+                self.util_tokens += mem["live_bytes"]
+                self.util_slots += mem["held_bytes"]
+                self.waste_sum += mem["waste_fraction"]
+                self.waste_steps += 1
+            for g, u in enumerate(kv.group_usage()):
+                self.group_peak[g] = max(self.group_peak[g], u.used)
+        else:
+            for req in sched.running:
+                held = kv.num_held_blocks(req.request_id)
+                if held:
+                    self.util_tokens += req.num_computed_tokens
+                    self.util_slots += held * cfg.block_size
+        finished = sched.update_from_output(out, sampled)
+        if self.tier is not None and kv.pool.newly_cached:  # write-through
+            for block in kv.pool.newly_cached:
+                if block.block_hash is not None:  # (not evicted since)
+                    self.tier.store(block)
+            kv.pool.newly_cached.clear()
         if self.tier is not None:
-            report.update(self.tier.report())
-            report["tier_token_hit_rate"] = tier_hit_tokens / prompt_tokens if prompt_tokens else 0.0
-        report["running_mean"] = running_sum / steps if steps else 0.0
-        report["running_peak"] = running_peak
-        if cfg.layout is not None:
-            report["kv_layout"] = cfg.layout.mode
-            report["page_bytes"] = cfg.layout.large_page_bytes
-            report["kv_groups"] = [{k: (len(v) if k == "layers" else v) for k, v in d.items()}
-                                   for d in cfg.layout.describe()]
-        if by_bytes:
-            report["kv_waste_mean"] = waste_sum / waste_steps if waste_steps else 0.0
-            report["group_peak_blocks"] = group_peak
-        return report
+            self.tier.end_step()
+        for req in finished:
+            self.first.setdefault(req.request_id, clock)
+            if req.is_finished:
+                self.done[req.request_id] = clock
+                if self.bar is not None:
+                    self.bar.update(1)
 
     def _block_hits(self, req: Request, tr: TraceRequest) -> tuple[int, int]:
         """Leading prompt blocks the cache serves when the request is first scheduled (no
@@ -320,6 +323,58 @@ class Simulator:
         if tr.hash_ids is not None and self.cfg.block_size == MOONCAKE_BLOCK:
             return full_hit, len(tr.hash_ids)
         return full_hit, math.ceil(req.num_prompt_tokens / self.cfg.block_size)
+
+class Simulator:
+    """Replays a trace through one ``EngineSim``: arrivals are admitted when the engine's clock
+    reaches them, before the step that starts then."""
+
+    def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel) -> None:
+        if not trace:
+            raise ValueError("trace: no requests")
+        self.trace = sorted(trace, key=lambda r: r.arrival_s)
+        self.cfg = config
+        self.engine = EngineSim(self.trace, config, cost)
+        self.executor = self.engine.executor
+        self.kv = self.engine.kv
+        self.scheduler = self.engine.scheduler
+        self.tier = self.engine.tier
+        self.schedule_hook = None  # called with each SchedulerOutput (tests compare with the engine)
+
+    def run(self, progress: bool = False) -> dict:
+        cfg, trace, eng = self.cfg, self.trace, self.engine
+        eng.schedule_hook = self.schedule_hook
+        t_wall = time.perf_counter()
+        nxt = 0
+        arrival = [r.arrival_s * cfg.time_scale for r in trace]
+        rejected = 0
+        eng.bar = bar = tqdm(total=len(trace), desc="simulating", unit="req", disable=not progress)
+        while nxt < len(trace) or eng.busy():
+            while nxt < len(trace) and arrival[nxt] <= eng.clock:
+                if not eng.accepts(nxt):  # the engine rejects such a prompt too
+                    rejected += 1
+                else:
+                    eng.admit(nxt)
+                nxt += 1
+            eng.step(arrival[nxt] if nxt < len(trace) else math.inf)
+        bar.close()
+        report = self._report(arrival, eng.first, eng.done, eng.clock, eng.steps, time.perf_counter() - t_wall,
+                              eng.hit_blocks, eng.total_blocks, eng.hit_tokens, eng.prompt_tokens,
+                              eng.util_tokens, eng.util_slots)
+        report["rejected_requests"] = rejected
+        if self.tier is not None:
+            report.update(self.tier.report())
+            report["tier_token_hit_rate"] = eng.tier_hit_tokens / eng.prompt_tokens if eng.prompt_tokens else 0.0
+        report["running_mean"] = eng.running_sum / eng.steps if eng.steps else 0.0
+        report["running_peak"] = eng.running_peak
+        if cfg.layout is not None:
+            report["kv_layout"] = cfg.layout.mode
+            report["page_bytes"] = cfg.layout.large_page_bytes
+            report["kv_groups"] = [{k: (len(v) if k == "layers" else v) for k, v in d.items()}
+                                   for d in cfg.layout.describe()]
+        if eng.by_bytes:
+            report["kv_waste_mean"] = eng.waste_sum / eng.waste_steps if eng.waste_steps else 0.0
+            report["group_peak_blocks"] = eng.group_peak
+        return report
 
     def _report(self, arrival, first, done, clock, steps, wall, hit_blocks, total_blocks, hit_tokens,
                 prompt_tokens, util_tokens, util_slots) -> dict:

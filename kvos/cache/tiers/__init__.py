@@ -8,10 +8,10 @@ a ``SlotArena`` over memory from a pluggable allocator (pinned by the engine on 
 from kvos.cache.tiers.arena import SlotArena, allocate_bytearray
 from kvos.cache.tiers.base import Tier, TierStats
 from kvos.cache.tiers.codec import PlainCodec, SealedCodec, decode, encode, load_key_file
-from kvos.cache.tiers.cpu import CPUTier
+from kvos.cache.tiers.cpu import CPUTier, TransferTier
 from kvos.cache.tiers.disk import DiskTier
 from kvos.cache.tiers.hierarchy import TierHierarchy
 from kvos.cache.tiers.remote import RedisTier
 
 __all__ = ["CPUTier", "DiskTier", "PlainCodec", "RedisTier", "SealedCodec", "SlotArena", "Tier", "TierHierarchy",
-           "TierStats", "allocate_bytearray", "decode", "encode", "load_key_file"]
+           "TierStats", "TransferTier", "allocate_bytearray", "decode", "encode", "load_key_file"]

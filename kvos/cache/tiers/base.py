@@ -43,6 +43,9 @@ class Tier(ABC):
     """
 
     name = "tier"
+    receives_stores = True
+    """False: the engine's own blocks are never stored here (write policy, promotions); only
+    another engine's transferred blocks are (``TransferTier``)."""
 
     def __init__(self, capacity_bytes: int, codec: Codec = PLAIN) -> None:
         if capacity_bytes <= 0:

@@ -105,3 +105,13 @@ class CPUTier(Tier):
             assert slot is not None, "no such block"
             frame = self._frame(slot)
             frame[-1] ^= 0xFF
+
+
+class TransferTier(CPUTier):
+    """Host slots for KV blocks that another engine computed and sent (disaggregated prefill:
+    the decode engine's side). The engine looks them up and loads them like any tier's blocks,
+    but never stores its own blocks here. Puts follow ``CPUTier``'s rule: on the engine's tier
+    I/O thread only."""
+
+    name = "transfer"
+    receives_stores = False

@@ -68,15 +68,18 @@ class TierHierarchy:
     def promote(self, key: BlockHash, data: bytes | memoryview, found_in: int) -> None:
         """Copy a block found in tier ``found_in`` into the tiers above it (may evict there)."""
         for upper in self.tiers[:found_in]:
-            upper.put(key, data)
+            if upper.receives_stores:
+                upper.put(key, data)
 
     def store(self, key: BlockHash, data: bytes | memoryview, evicted: bool) -> None:
         """Called when a device block is computed (``evicted=False``) or evicted (True)."""
         if self.write_policy == "write_through":
             targets = [] if evicted else self.tiers
         else:
-            targets = self.tiers[:1] if evicted else []
+            targets = [t for t in self.tiers if t.receives_stores][:1] if evicted else []
         for tier in targets:
+            if not tier.receives_stores:
+                continue
             t0 = time.perf_counter()
             tier.put(key, data)
             tier.stats.store_seconds += time.perf_counter() - t0

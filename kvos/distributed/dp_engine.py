@@ -1,0 +1,386 @@
+"""Several engines on a Ray cluster behind one router, with the ``AsyncEngine`` interface the
+OpenAI server drives (``kvos serve --data-parallel N``)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvos.cache.hashing import extend_block_hashes, root_hash
+from kvos.distributed.worker import EngineInfo, EngineWorker, PollResult
+from kvos.engine.outputs import RequestOutput
+from kvos.engine.sampling_params import SamplingParams
+from kvos.router.policies import DEFAULT_KV_WEIGHT, EngineLoad, Router, make_router
+from kvos.serve.async_engine import EngineStopped, RequestStream, _Stream
+
+log = logging.getLogger("kvos.distributed")
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    engine: int
+    prompt: dict
+    params: SamplingParams
+    priority: int
+    salt: str | None
+    retriable: bool
+    stream: _Stream
+    hashes: list[bytes]
+    predicted: int
+    delivered: bool = False
+    tries: int = 1
+    transfer: Any = None
+    """Disaggregated prefill: the prefill engine's ``extract`` (a Ray object reference)."""
+
+
+@dataclass
+class RouterStats:
+    """What the router decided and how it turned out (``/metrics``)."""
+
+    routed: list[int] = field(default_factory=list)
+    """Requests sent to each engine."""
+    predicted_hit_blocks: int = 0
+    obtained_hit_blocks: int = 0
+    prompt_blocks: int = 0
+    retried: int = 0
+    cut: int = 0
+    engine_failures: int = 0
+    resyncs: int = 0
+    prefills: int = 0
+    """Requests prefilled on a prefill engine (disaggregated)."""
+    transferred_blocks: int = 0
+    transfer_s: float = 0.0
+    """Wall time from a prefill's end to its blocks stored on the decode engine."""
+
+
+class DataParallelEngine:
+    """``num_engines`` ``EngineWorker`` actors (one per GPU on a GPU host, else processes sharing
+    the CPUs) on the Ray cluster at ``address`` (``None``: start a local one, or join the one
+    ``RAY_ADDRESS`` names), and a router (``kvos.router``) choosing one per request.
+
+    Everything here runs on the server's event loop: one poll task per engine delivers outputs
+    to streams, feeds KV events to the router (resyncing from a snapshot on a gap) and keeps the
+    engine's load current. Faults: an engine whose actor dies is dropped by the router at once;
+    its requests that have sent nothing to the client yet, or are not streamed (``retriable``),
+    are sent to another engine under the same id; a stream already under way ends with an
+    error. Ray restarts the actor (``max_restarts``); once it answers, the router takes it back
+    with an empty cache.
+
+    Disaggregated prefill (``prefill_engines`` P > 0): P more engines compute prompts. A request
+    first runs on a prefill engine (chosen by its own router of the same policy) for one token;
+    its prompt's full blocks are then read there (``EngineWorker.extract``), move through Ray's
+    object store (shared memory on one host) into the chosen decode engine's transfer tier, and
+    the request runs on that engine, which loads them as tier hits and computes only the rest of
+    the prompt. Engines ``0 .. num_engines - 1`` decode; ``num_engines ..`` prefill.
+    """
+
+    def __init__(self, engine_kwargs: dict, num_engines: int, router: str = "kv_aware",
+                 address: str | None = None, kv_weight: float = DEFAULT_KV_WEIGHT, max_restarts: int = 3,
+                 poll_s: float = 0.2, prefill_engines: int = 0) -> None:
+        import ray
+
+        if num_engines < 1:
+            raise ValueError(f"data_parallel must be >= 1, got {num_engines}")
+        if prefill_engines < 0:
+            raise ValueError(f"prefill_engines must be >= 0, got {prefill_engines}")
+        total = num_engines + prefill_engines
+        kwargs = [engine_kwargs] * total
+        if prefill_engines:  # decode engines receive the prompts' blocks
+            kwargs[:num_engines] = [{**engine_kwargs, "kv_transfer_gb": engine_kwargs.get("kv_transfer_gb") or 1.0}
+                                    ] * num_engines
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        gpus = ray.cluster_resources().get("GPU", 0)
+        per_gpu = 1 if gpus >= total else 0
+        cpus = ray.cluster_resources().get("CPU", 1)
+        threads = max(1, int(cpus // total))
+        worker = ray.remote(EngineWorker)
+        self.actors = [worker.options(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts, max_concurrency=8,
+                                      ).remote(kwargs[i], i, threads) for i in range(total)]
+        infos: list[EngineInfo] = ray.get([a.info.remote() for a in self.actors])
+        self.info = infos[0]
+        if len({i.model_id for i in infos}) != 1:
+            raise RuntimeError("data_parallel: the engines loaded different models")
+        self.tokenizer = ray.get(self.actors[0].tokenizer.remote())
+        self.max_model_len = self.info.max_model_len
+        self.model_id = self.info.model_id
+        self.block_size = self.info.block_size
+        self.router_name = router
+        capacity = max(1, engine_kwargs.get("num_blocks") or 2000)
+        self.num_decode = num_engines
+        self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity_blocks=capacity)
+        self.prefill_router = (make_router(router, prefill_engines, self.block_size, kv_weight, capacity_blocks=capacity)
+                               if prefill_engines else None)
+        self.loads = [EngineLoad() for _ in range(total)]
+        self.down = [False] * total
+        self.engine_stats: list[dict] = ray.get([a.stats.remote() for a in self.actors])
+        self.router_stats = RouterStats(routed=[0] * total)
+        self.poll_s = poll_s
+        self.num_pending = 0  # sequences submitted with no output yet (the event loop only)
+        self._inflight: dict[str, _InFlight] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closed: str | None = None
+
+    # -- the AsyncEngine interface ---------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._poll_loop(i)) for i in range(len(self.actors))]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        import ray
+
+        for t in self._tasks:
+            t.cancel()
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        if self._started_ray:
+            ray.shutdown()
+
+    def _hashes(self, ids: list[int], salt: str | None) -> list[bytes]:
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, ids[: len(ids) - 1], self.block_size, root_hash(self.model_id, salt))
+        return hashes
+
+    def _tokenize(self, prompt) -> dict:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt
+        from kvos.engine.llm_engine import encode_prompt
+
+        text = prompt["prompt"] if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise ValueError("prompt must be a string or a dict with prompt_token_ids")
+        return {"prompt": text, "prompt_token_ids": encode_prompt(self.tokenizer, text)}
+
+    async def submit(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
+                     cache_salt: str | None = None, retriable: bool = False) -> RequestStream:
+        """Route and queue a request; returns once an engine accepted it. Raises ``ValueError``
+        (naming the field) if the engine rejects it. ``retriable``: nothing of it reaches the
+        client before it finishes (not streamed), so it may restart on another engine."""
+        if self._closed is not None:
+            raise EngineStopped(self._closed)
+        prompt = self._tokenize(prompt)
+        hashes = self._hashes(prompt["prompt_token_ids"], cache_salt)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        rec = _InFlight(request_id, -1, prompt, params, priority, cache_salt, retriable, stream, hashes, 0)
+        self.num_pending += params.n
+        try:
+            if self.prefill_router is not None and hashes:
+                await self._prefill(rec)
+            await self._send(rec)
+        except BaseException:
+            self.num_pending -= params.n
+            raise
+        return RequestStream(self, request_id, stream, params.n)
+
+    def _router_of(self, i: int) -> tuple[Router, int]:
+        """The router that chooses engine ``i``, and ``i``'s number there."""
+        if i < self.num_decode:
+            return self.router, i
+        assert self.prefill_router is not None
+        return self.prefill_router, i - self.num_decode
+
+    async def _prefill(self, rec: _InFlight) -> None:
+        """Run ``rec``'s prompt on a prefill engine for one token and keep a reference to its
+        blocks there; on any failure the decode engine simply computes the whole prompt."""
+        assert self.prefill_router is not None
+        j = self.prefill_router.choose(rec.hashes, self.loads[self.num_decode:])
+        self.prefill_router.on_routed(j, rec.hashes)
+        i = self.num_decode + j
+        pre = _InFlight(f"{rec.request_id}-prefill", i, rec.prompt, SamplingParams(temperature=0, max_tokens=1),
+                        rec.priority, rec.salt, True, _Stream(asyncio.get_running_loop(), asyncio.Queue()),
+                        rec.hashes, 0)
+        self._inflight[pre.request_id] = pre
+        try:
+            await self.actors[i].add.remote(pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
+                                            rec.priority, rec.salt)
+            self.router_stats.routed[i] += 1
+            while True:
+                item = await pre.stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    break
+            rec.transfer = self.actors[i].extract.remote(rec.hashes)
+            self.router_stats.prefills += 1
+        except Exception as err:
+            log.warning("prefill of %s failed (%s); its decode engine computes the prompt", rec.request_id, err)
+        finally:
+            self._inflight.pop(pre.request_id, None)
+
+    async def _send(self, rec: _InFlight) -> None:
+        """Choose an engine for ``rec`` and add it there (another, if that one is found dead);
+        a prefilled request's blocks are stored there first."""
+        from ray.exceptions import RayActorError
+
+        while True:
+            e = self.router.choose(rec.hashes, self.loads[: self.num_decode])
+            rec.engine, rec.predicted = e, self.router.predicted_hits(e, rec.hashes)
+            self._inflight[rec.request_id] = rec
+            try:
+                if rec.transfer is not None:
+                    t0 = time.perf_counter()
+                    self.router_stats.transferred_blocks += await self.actors[e].receive.remote(rec.transfer)
+                    self.router_stats.transfer_s += time.perf_counter() - t0
+                    rec.transfer = None
+                await self.actors[e].add.remote(rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
+                                                rec.priority, rec.salt)
+            except RayActorError:
+                self._inflight.pop(rec.request_id, None)
+                self._engine_down(e)
+                continue
+            except BaseException:
+                self._inflight.pop(rec.request_id, None)
+                raise
+            self.router.on_routed(e, rec.hashes)
+            self.router_stats.routed[e] += 1
+            self.router_stats.predicted_hit_blocks += rec.predicted
+            self.router_stats.prompt_blocks += len(rec.hashes)
+            return
+
+    def abort(self, request_id: str) -> None:
+        rec = self._inflight.pop(request_id, None)
+        if rec is not None and not self.down[rec.engine]:
+            self.actors[rec.engine].abort.remote(request_id)
+
+    async def pin(self, prompt, ttl_s: float | None, cache_salt: str | None):
+        raise ValueError("prompt: pinned prefixes need a single engine; this server runs --data-parallel")
+
+    async def call(self, fn):
+        raise ValueError("this operation needs a single engine; this server runs --data-parallel")
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def drain(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    async def cut_all(self, reason: str) -> int:
+        self._closed = reason
+        n = len(self._inflight)
+        for rid in list(self._inflight):
+            rec = self._inflight[rid]
+            self.abort(rid)
+            rec.stream.queue.put_nowait(EngineStopped(reason))
+        return n
+
+    # -- engines ---------------------------------------------------------------------------
+    async def _poll_loop(self, i: int) -> None:
+        from ray.exceptions import RayActorError
+
+        while True:
+            if self.down[i]:
+                await self._await_restart(i)
+                continue
+            try:
+                res: PollResult = await self.actors[i].poll.remote(self.poll_s)
+            except RayActorError:
+                self._engine_down(i)
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad poll end the loop
+                log.exception("engine %d: poll failed", i)
+                await asyncio.sleep(self.poll_s)
+                continue
+            await self._apply(i, res)
+
+    async def _apply(self, i: int, res: PollResult) -> None:
+        for out in res.outputs:
+            rec = self._inflight.get(out.request_id)
+            if rec is None or rec.engine != i:
+                continue  # aborted, or moved to another engine
+            out.prompt, out.prompt_token_ids = rec.prompt.get("prompt"), rec.prompt["prompt_token_ids"]
+            out.metrics["engine"] = i
+            if not rec.delivered:
+                rec.delivered = True
+                self.router_stats.obtained_hit_blocks += min(len(rec.hashes), out.num_cached_tokens // self.block_size)
+            if out.finished:
+                del self._inflight[out.request_id]
+            rec.stream.queue.put_nowait(out)
+        for rid, error in res.failed.items():
+            rec = self._inflight.pop(rid, None)
+            if rec is not None:
+                rec.stream.queue.put_nowait(RuntimeError(error))
+        router, local = self._router_of(i)
+        for batch in res.events:
+            if not router.on_events(local, batch):
+                self.router_stats.resyncs += 1
+                try:
+                    router.on_snapshot(local, await self.actors[i].snapshot.remote())
+                except Exception:  # the engine died meanwhile: its poll notices
+                    break
+        self.loads[i] = res.load
+        self.engine_stats[i] = res.stats
+
+    def _engine_down(self, i: int) -> None:
+        """Engine ``i``'s actor died: stop routing to it, move or cut its requests."""
+        if self.down[i]:
+            return
+        log.warning("engine %d died; routing around it until Ray restarts it", i)
+        self.down[i] = True
+        self.router_stats.engine_failures += 1
+        self.loads[i] = EngineLoad()
+        router, local = self._router_of(i)
+        router.on_engine_removed(local)
+        for rec in [r for r in self._inflight.values() if r.engine == i]:
+            if rec.request_id.endswith("-prefill"):  # its _prefill gives up; decode computes the prompt
+                del self._inflight[rec.request_id]
+                rec.stream.queue.put_nowait(RuntimeError(f"prefill engine {i} failed"))
+            elif (rec.retriable or not rec.delivered) and any(not d for d in self.down[: self.num_decode]):
+                rec.tries += 1
+                self.router_stats.retried += 1
+                asyncio.get_running_loop().create_task(self._resend(rec))
+            else:
+                del self._inflight[rec.request_id]
+                self.router_stats.cut += 1
+                rec.stream.queue.put_nowait(RuntimeError(
+                    f"engine {i} failed while this request was streaming; retry it"))
+
+    async def _resend(self, rec: _InFlight) -> None:
+        try:
+            await self._send(rec)
+        except Exception as err:
+            self._inflight.pop(rec.request_id, None)
+            rec.stream.queue.put_nowait(RuntimeError(f"engine failed and no other could take the request: {err}"))
+
+    async def _await_restart(self, i: int) -> None:
+        """Ping until Ray has restarted engine ``i``, then route to it again (an empty cache)."""
+        try:
+            await asyncio.wait_for(self.actors[i].ping.remote(), timeout=5)
+        except Exception:
+            await asyncio.sleep(1.0)
+            return
+        log.info("engine %d is back", i)
+        router, local = self._router_of(i)
+        router.live[local] = True
+        self.down[i] = False
+
+    # -- observability ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The engines' figures summed (numbers at the top level), each engine's own under
+        ``engines``, and the router's under ``router``."""
+        live = [s for s, d in zip(self.engine_stats, self.down) if not d] or [self.engine_stats[0]]
+        total: dict = {k: v for k, v in live[0].items() if not isinstance(v, (dict, list)) and k != "pid"}
+        for s in live[1:]:
+            for k, v in s.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(total.get(k), (int, float)):
+                    total[k] += v
+        if total.get("total"):
+            total["kv_usage"] = total["used"] / total["total"]
+        if total.get("prefix_queries_tokens"):
+            total["prefix_hit_rate"] = total["prefix_hits_tokens"] / total["prefix_queries_tokens"]
+        total["engines"] = [{"engine": i, "role": "decode" if i < self.num_decode else "prefill", "up": not d, **s}
+                            for i, (s, d) in enumerate(zip(self.engine_stats, self.down))]
+        total["router"] = {"policy": self.router_name, **vars(self.router_stats)}
+        return total
+
+
+__all__ = ["DataParallelEngine", "RequestOutput"]

@@ -1,0 +1,227 @@
+"""One engine behind a router: an ``LLMEngine`` stepping on its own thread, driven by plain calls
+(add, abort, poll) that a Ray actor exposes to the front end."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvos.cache.events import KVEventBatch, KVSnapshot
+from kvos.engine.outputs import RequestOutput
+from kvos.engine.sampling_params import SamplingParams
+from kvos.router.policies import EngineLoad
+
+log = logging.getLogger("kvos.distributed")
+
+
+@dataclass
+class EngineInfo:
+    """What the front end needs to know about the engines (all of them load the same model)."""
+
+    engine_id: str
+    model_id: str
+    """The prefix-cache hash root's model part: the router hashes prompts with it."""
+    block_size: int
+    max_model_len: int
+    pid: int
+
+
+@dataclass
+class PollResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    """The latest cumulative output of every request that changed since the last poll."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests a failed step cut, with the error."""
+    events: list[KVEventBatch] = field(default_factory=list)
+    """KV event batches in order (numbered: a gap means the subscriber must resync)."""
+    load: EngineLoad = field(default_factory=EngineLoad)
+    stats: dict = field(default_factory=dict)
+
+
+class EngineWorker:
+    """Owns one ``LLMEngine`` (with KV events on) and its stepping thread.
+
+    Thread rules: the engine is only touched on the stepping thread; ``add``, ``abort`` and
+    ``poll`` may be called from other threads (a Ray actor with ``max_concurrency`` > 1): they
+    hand commands over under ``_lock`` and wait on ``_changed``. Outputs are coalesced per
+    request (each is cumulative), so a slow poller never grows memory beyond one output per
+    request in flight. Outputs travel without their prompt (the front end has it).
+    """
+
+    MAX_EVENT_BATCHES = 1024
+    """Unpolled event batches kept at most; older ones are dropped (the subscriber sees the gap
+    and resyncs from a snapshot)."""
+
+    def __init__(self, engine_kwargs: dict, engine_index: int = 0, torch_threads: int | None = None) -> None:
+        import torch
+
+        from kvos.config import EngineConfig
+        from kvos.engine.llm_engine import LLMEngine
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.engine = LLMEngine(EngineConfig(**{**engine_kwargs, "kv_events": True}))
+        self.engine_id = f"engine-{engine_index}"
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._cmds: list[tuple] = []
+        self._outputs: dict[str, RequestOutput] = {}
+        self._failed: dict[str, str] = {}
+        self._events: list[KVEventBatch] = []
+        self._load = EngineLoad()
+        self._stats: dict = {**self.engine.stats(), "pid": os.getpid()}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"kvos-{self.engine_id}", daemon=True)
+        self._thread.start()
+
+    # -- called by the front end -------------------------------------------------------
+    def info(self) -> EngineInfo:
+        e = self.engine
+        return EngineInfo(self.engine_id, e.kv.model_id, e.kv.block_size, e.max_model_len, os.getpid())
+
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+            cache_salt: str | None = None) -> None:
+        """Queue a request; raises ``ValueError`` (naming the field) if the engine refuses it."""
+        done = threading.Event()
+        box: list[BaseException | None] = [None]
+        with self._lock:
+            self._cmds.append(("add", (request_id, prompt_token_ids, params, priority, cache_salt), done, box))
+            self._changed.notify_all()
+        done.wait()
+        if box[0] is not None:
+            raise box[0]
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._cmds.append(("abort", request_id, None, None))
+            self._changed.notify_all()
+
+    def poll(self, timeout_s: float = 0.5) -> PollResult:
+        """Wait up to ``timeout_s`` for news; return everything since the last poll."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            while not (self._outputs or self._failed or self._events) and not self._stop:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            res = PollResult(list(self._outputs.values()), self._failed, self._events, self._load,
+                             self._stats)
+            self._outputs, self._failed, self._events = {}, {}, []
+        return res
+
+    def extract(self, hashes: list[bytes]):
+        """The leading ``hashes`` this engine's prefix cache holds, with their KV bytes: (hashes,
+        uint8 ``[n, block_bytes]`` numpy rows), read between steps on the stepping thread (a
+        cached block's bytes are intact until a step reuses it). The prefill side of a
+        disaggregated request."""
+        def read():
+            kv = self.engine.kv
+            ids = []
+            for h in hashes:
+                b = kv.pool.lookup(h)
+                if b is None:
+                    break
+                ids.append(b.block_id)
+            rows = self.engine.runner.read_blocks(ids).numpy() if ids else None
+            return hashes[: len(ids)], rows
+
+        return self._call(read)
+
+    def receive(self, found) -> int:
+        """Store the (hashes, rows) that another engine's ``extract`` returned in this engine's
+        transfer tier; the request sent next loads them as any tier's hits. The decode side."""
+        hashes, rows = found
+        if not hashes:
+            return 0
+        assert self.engine.offload is not None
+        return self.engine.offload.receive(hashes, rows)
+
+    def snapshot(self) -> KVSnapshot:
+        """Every cached hash now (for a subscriber that missed a batch); runs on the stepping
+        thread between steps, so it matches the batches numbered up to its ``seq``."""
+        return self._call(self.engine.kv_event_snapshot)
+
+    def stats(self) -> dict:
+        return {**self._call(self.engine.stats), "pid": os.getpid()}
+
+    def ping(self) -> str:
+        return self.engine_id
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._changed.notify_all()
+        self._thread.join(10)
+
+    # -- the stepping thread -------------------------------------------------------------
+    def _call(self, fn):
+        done = threading.Event()
+        box: list = [None, None]
+        with self._lock:
+            self._cmds.append(("call", fn, done, box))
+            self._changed.notify_all()
+        done.wait()
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def _apply(self, cmds: list[tuple]) -> None:
+        e = self.engine
+        for kind, arg, done, box in cmds:
+            if kind == "add":
+                rid, ids, params, priority, salt = arg
+                try:
+                    e.add_request({"prompt_token_ids": ids}, params, request_id=rid, priority=priority,
+                                  cache_salt=salt)
+                except Exception as err:  # a bad request never stops the engine
+                    box[0] = err
+                done.set()
+            elif kind == "call":
+                try:
+                    box[0] = arg()
+                except Exception as err:
+                    box[1] = err
+                done.set()
+            else:
+                e.abort_request(arg)
+
+    def _run(self) -> None:
+        e = self.engine
+        while True:
+            with self._lock:
+                while not self._cmds and not e.has_unfinished_requests() and not self._stop:
+                    self._changed.wait(0.5)
+                if self._stop:
+                    return
+                cmds, self._cmds = self._cmds, []
+            self._apply(cmds)
+            outputs: list[RequestOutput] = []
+            failed: dict[str, str] = {}
+            if e.has_unfinished_requests():
+                try:
+                    outputs = e.step()
+                except Exception as err:  # the step's requests fail; the engine goes on
+                    log.exception("%s: step failed; failing its requests", self.engine_id)
+                    for rid in e.request_ids():
+                        e.abort_request(rid)
+                        failed[rid] = f"engine error: {err}"
+            batch = e.drain_kv_events()
+            stats = {**e.stats(), "pid": os.getpid()}
+            with self._lock:
+                for out in outputs:
+                    out.prompt, out.prompt_token_ids = None, []
+                    self._outputs[out.request_id] = out
+                self._failed.update(failed)
+                if batch is not None:
+                    self._events.append(batch)
+                    del self._events[: -self.MAX_EVENT_BATCHES]
+                self._load = e.scheduler.load()
+                self._stats = stats
+                if outputs or failed or batch is not None:
+                    self._changed.notify_all()

@@ -1,0 +1,278 @@
+"""Routing policies: which of several engines serves a request. Pure Python (no torch), plain
+values in and out, so the same classes drive the fleet simulator and a multi-engine front end.
+
+A router sees a request as the chained hashes of its full prompt blocks, computed with the
+request's own root (model and tenant salt: ``kvos.cache.hashing.root_hash``), so a tenant's
+blocks match only that tenant's blocks on whatever engine holds them (invariant 4 holds across
+engines). It sees engines through ``EngineLoad`` figures and, for ``kv_aware``, their KV event
+batches. Engines are numbered ``0 .. num_engines - 1``; removing one keeps the numbers of the
+others (its slot just stops being chosen).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvos.cache.events import CachedBlockSet, KVEventBatch, KVSnapshot
+
+BlockHash = bytes
+
+DEFAULT_KV_WEIGHT = 16.0
+"""kv_aware's default overlap weight. Dynamo's default is 1; on the Mooncake conversation trace
+(``kvos bench routing``, 16 engines) 1 hits 14.4% of prompt blocks, 4 hits 20.4% and 16 hits
+22.3% with the lowest p90 TTFT: a prefill block costs far more than a decoding one."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One engine's load when a request is routed.
+
+    ``prefill_tokens``: prompt tokens queued or in flight that are not computed yet (waiting
+    requests count their whole prompt: their cache hits are not known before they are
+    scheduled). ``active_blocks``: KV blocks the running sequences span (each sequence counts
+    its own, as a router counts them without seeing which are shared)."""
+
+    waiting: int = 0
+    running: int = 0
+    prefill_tokens: int = 0
+    active_blocks: int = 0
+
+    def blocks(self, block_size: int, prefill_weight: float = 1.0) -> float:
+        """The load in blocks: ``prefill_weight * prefill_tokens / block_size + active_blocks``."""
+        return prefill_weight * self.prefill_tokens / block_size + self.active_blocks
+
+
+class Router(ABC):
+    """Chooses an engine per request. Hooks keep the router's view current; each is called on
+    the router's thread, in the order things happened on the engines (per engine, batches in
+    sequence order). ``choose`` never returns a removed engine; it raises when none is left."""
+
+    name = "router"
+    needs_loads = True
+    """Whether ``choose`` reads ``loads`` (a caller may pass an empty list otherwise)."""
+    uses_events = False
+    """Whether the router reads KV events (a caller need not publish them otherwise)."""
+
+    def __init__(self, num_engines: int, block_size: int = 16) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.live: list[bool] = [True] * num_engines
+        self.routed: list[int] = [0] * num_engines
+        """Requests routed to each engine (``on_routed``): the last tie-break before the engine's
+        number, so that ties (e.g. requests that arrive one at a time, each finding every engine
+        idle) spread over the engines instead of all landing on engine 0."""
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.live)
+
+    def _live(self) -> list[int]:
+        engines = [e for e, ok in enumerate(self.live) if ok]
+        if not engines:
+            raise RuntimeError("route: no engine is left")
+        return engines
+
+    @abstractmethod
+    def choose(self, request_hashes: list[BlockHash], loads: list[EngineLoad]) -> int:
+        """The engine for a request whose full prompt blocks hash to ``request_hashes``;
+        ``loads[e]`` is engine ``e``'s load now. Does not record the choice (``on_routed`` does)."""
+
+    def predicted_hits(self, engine: int, request_hashes: list[BlockHash]) -> int:
+        """Leading blocks of the request the router believes ``engine`` holds (0: it does not know)."""
+        return 0
+
+    def on_routed(self, engine: int, request_hashes: list[BlockHash]) -> None:
+        """The request was sent to ``engine``."""
+        self.routed[engine] += 1
+
+    def on_events(self, engine: int, batch: KVEventBatch) -> bool:
+        """``engine`` published ``batch``. False: the view of that engine is stale (a batch was
+        missed) and stays so until ``on_snapshot``."""
+        return True
+
+    def on_snapshot(self, engine: int, snap: KVSnapshot) -> None:
+        """``engine``'s whole cache as of batch ``snap.seq``."""
+
+    def on_engine_added(self) -> int:
+        """A new engine joins, with an empty cache; returns its number."""
+        self.live.append(True)
+        self.routed.append(0)
+        return len(self.live) - 1
+
+    def on_engine_removed(self, engine: int) -> None:
+        """``engine`` is gone: never chosen again, and what the router knew of it is dropped."""
+        self.live[engine] = False
+
+
+class RoundRobin(Router):
+    """Live engines in turn: ``0, 1, ..., n-1, 0, ...`` (skipping removed ones), blind to load
+    and cache."""
+
+    name = "round_robin"
+    needs_loads = False
+
+    def __init__(self, num_engines: int, block_size: int = 16) -> None:
+        super().__init__(num_engines, block_size)
+        self._next = 0
+
+    def choose(self, request_hashes: list[BlockHash], loads: list[EngineLoad]) -> int:
+        self._live()
+        while not self.live[self._next % self.num_engines]:
+            self._next += 1
+        e = self._next % self.num_engines
+        self._next = e + 1
+        return e
+
+
+class LeastLoaded(Router):
+    """The engine with the least ``EngineLoad.blocks`` (prefill tokens in blocks plus active
+    blocks); ties go to fewer requests (waiting + running), then fewer routed so far, then the
+    lower number. Blind to
+    the cache."""
+
+    name = "least_loaded"
+
+    def choose(self, request_hashes: list[BlockHash], loads: list[EngineLoad]) -> int:
+        bs = self.block_size
+        return min(self._live(), key=lambda e: (loads[e].blocks(bs), loads[e].waiting + loads[e].running,
+                                                self.routed[e], e))
+
+
+class KVAware(Router):
+    """NVIDIA Dynamo's KV-router cost, on an index per engine built from its KV events.
+
+    For a request of ``R`` full prompt blocks, engine ``e`` costs
+    ``overlap_weight * (P_e + R - H_e) + A_e`` where ``H_e`` is the leading blocks of the
+    request ``e``'s index holds, ``P_e`` its pending prefill in blocks
+    (``prefill_tokens / block_size``) and ``A_e`` its active blocks: the prefill it would have
+    to do, weighed against what it is decoding. The lowest cost wins; ties go to the lower
+    ``EngineLoad.blocks``, then fewer routed so far, then the lower number. ``overlap_weight`` 0 balances active blocks
+    only; larger values favour cache hits and a short prefill queue (TTFT) over decode load.
+
+    Invariant: ``index[e]`` equals engine ``e``'s prefix index after the last batch applied,
+    unless ``stale[e]`` (a batch was missed), in which case ``H_e`` counts 0 until a snapshot.
+    """
+
+    name = "kv_aware"
+    uses_events = True
+
+    def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT) -> None:
+        super().__init__(num_engines, block_size)
+        if overlap_weight < 0:
+            raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
+        self.overlap_weight = overlap_weight
+        self.index: list[CachedBlockSet] = [CachedBlockSet() for _ in range(num_engines)]
+        self.stale: list[bool] = [False] * num_engines
+
+    def predicted_hits(self, engine: int, request_hashes: list[BlockHash]) -> int:
+        if self.stale[engine] or not self.live[engine]:
+            return 0
+        return self.index[engine].prefix_hits(request_hashes)
+
+    def cost(self, engine: int, request_hashes: list[BlockHash], load: EngineLoad) -> float:
+        hits = self.predicted_hits(engine, request_hashes)
+        prefill = load.prefill_tokens / self.block_size + len(request_hashes) - hits
+        return self.overlap_weight * prefill + load.active_blocks
+
+    def choose(self, request_hashes: list[BlockHash], loads: list[EngineLoad]) -> int:
+        bs = self.block_size
+        return min(self._live(), key=lambda e: (self.cost(e, request_hashes, loads[e]), loads[e].blocks(bs),
+                                                self.routed[e], e))
+
+    def on_events(self, engine: int, batch: KVEventBatch) -> bool:
+        if self.stale[engine]:
+            return False
+        if not self.index[engine].apply(batch):
+            self.stale[engine] = True
+            return False
+        return True
+
+    def on_snapshot(self, engine: int, snap: KVSnapshot) -> None:
+        self.index[engine].reset(snap)
+        self.stale[engine] = False
+
+    def on_engine_added(self) -> int:
+        self.index.append(CachedBlockSet())
+        self.stale.append(False)
+        return super().on_engine_added()
+
+    def on_engine_removed(self, engine: int) -> None:
+        super().on_engine_removed(engine)
+        self.index[engine] = CachedBlockSet()
+
+
+class Approx(KVAware):
+    """``kv_aware``'s cost without events: ``H_e`` comes from the router's own record of the
+    prompt blocks it sent to each engine, an LRU of at most ``capacity_blocks`` hashes per
+    engine (sending a request refreshes its blocks; the oldest fall out), as an engine's LRU
+    pool of that many blocks would keep them.
+
+    Invariant: ``len(sent[e]) <= capacity_blocks``; ``sent[e]`` holds the most recently sent
+    distinct hashes to ``e``, most recent last."""
+
+    name = "approx"
+    uses_events = False
+
+    def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
+                 capacity_blocks: int = 2000) -> None:
+        super().__init__(num_engines, block_size, overlap_weight)
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self.sent: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(num_engines)]
+
+    def predicted_hits(self, engine: int, request_hashes: list[BlockHash]) -> int:
+        if not self.live[engine]:
+            return 0
+        sent = self.sent[engine]
+        n = 0
+        for h in request_hashes:
+            if h not in sent:
+                break
+            n += 1
+        return n
+
+    def on_routed(self, engine: int, request_hashes: list[BlockHash]) -> None:
+        super().on_routed(engine, request_hashes)
+        sent = self.sent[engine]
+        for h in request_hashes:
+            sent[h] = None
+            sent.move_to_end(h)
+        while len(sent) > self.capacity_blocks:
+            sent.popitem(last=False)
+
+    def on_events(self, engine: int, batch: KVEventBatch) -> bool:
+        return True
+
+    def on_snapshot(self, engine: int, snap: KVSnapshot) -> None:
+        pass
+
+    def on_engine_added(self) -> int:
+        self.sent.append(OrderedDict())
+        return super().on_engine_added()
+
+    def on_engine_removed(self, engine: int) -> None:
+        super().on_engine_removed(engine)
+        self.sent[engine] = OrderedDict()
+
+
+ROUTERS: tuple[str, ...] = ("round_robin", "least_loaded", "kv_aware", "approx")
+_CLASSES: dict[str, type[Router]] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded,
+                                     "kv_aware": KVAware, "approx": Approx}
+
+
+def make_router(name: str, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
+                capacity_blocks: int = 2000) -> Router:
+    """A router by name (``ROUTERS``); ``overlap_weight`` applies to kv_aware and approx,
+    ``capacity_blocks`` (the blocks approx remembers per engine) to approx."""
+    if name not in _CLASSES:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
+    if name == "approx":
+        return Approx(num_engines, block_size, overlap_weight, capacity_blocks)
+    if name == "kv_aware":
+        return KVAware(num_engines, block_size, overlap_weight)
+    return _CLASSES[name](num_engines, block_size)

@@ -1,0 +1,136 @@
+"""``kvos serve --data-parallel 2``: two engine actors of the default model on a local Ray cluster
+behind one endpoint and the kv_aware router, driven by a real HTTP client; faults are real
+process kills."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvos import SamplingParams
+from tests.server import Server
+
+pytest.importorskip("ray")
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--data-parallel", "2", "--router", "kv_aware", "--ray-address", "local", "--max-model-len", "1024",
+               "--num-blocks", "256").wait_ready(timeout=600)
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def engines(server) -> dict[int, dict]:
+    """Per engine from /metrics: pid, up, running."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    out: dict[int, dict] = {}
+    for e, pid in re.findall(r'kvos:engine_info\{engine="(\d+)",pid="(\d+)"\} 1', text):
+        out[int(e)] = {"pid": int(pid)}
+    for name, key in (("kvos:engine_up", "up"), ("kvos:engine_num_requests_running", "running")):
+        for e, v in re.findall(rf'{name}\{{engine="(\d+)"\}} (\S+)', text):
+            out.setdefault(int(e), {})[key] = float(v)
+    return out
+
+
+def wait_until(cond, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError("condition not met")
+        time.sleep(0.2)
+
+
+def test_greedy_outputs_equal_one_engine(client, llm):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The speed of light is"]
+    refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    for prompt, ref in zip(prompts, refs):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        assert r.choices[0].text == ref.outputs[0].text
+
+
+def test_chats_follow_their_prefix_to_its_engine(server, client):
+    """Four conversations with distinct long system prompts, three turns each. Only the engine
+    that served a conversation's earlier turn can hold its prefix, so a later turn reporting at
+    least the earlier prompt's full blocks as cached was routed to that engine."""
+    def routed() -> list[float]:
+        return [server.metric("kvos:router_requests_total", f'engine="{e}",policy="kv_aware"') for e in (0, 1)]
+
+    before = routed()
+    convs = [[{"role": "system", "content": f"You are assistant number {i}. " + f"Topic {i} matters. " * 40}]
+             for i in range(4)]
+    previous = [0] * 4  # each conversation's last prompt length
+    for turn in range(3):
+        for i, msgs in enumerate(convs):
+            msgs.append({"role": "user", "content": f"Question {turn} about topic {i}?"})
+            r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            if turn:
+                assert cached >= previous[i] // 16 * 16, (turn, i, cached, previous[i])
+            previous[i] = r.usage.prompt_tokens
+    after = routed()
+    assert all(a - b >= 3 for a, b in zip(after, before)), (before, after)  # both engines serve conversations
+    assert server.metric("kvos:router_obtained_hit_blocks_total") >= 8 * 10
+
+
+def test_a_killed_engine_loses_no_plain_request_and_cuts_streams_cleanly(server, client, llm):
+    """Six plain requests and one stream run when the stream's engine is killed (SIGKILL): the
+    plain ones all finish, equal to one engine's outputs; the stream ends with an error event
+    and [DONE], not a hang; Ray restarts the engine and the router takes it back."""
+    prompts = [f"Write a long story about the number {i}." for i in range(6)]
+    refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    first_chunk = threading.Event()
+    stream_events: list[str] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    stream_events.append(line[6:])
+                    first_chunk.set()
+
+    results: dict[int, str] = {}
+
+    def plain(i: int) -> None:
+        r = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=60, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        results[i] = r.choices[0].text
+
+    t_stream = threading.Thread(target=stream)
+    t_stream.start()
+    assert first_chunk.wait(120)
+    state = engines(server)
+    victim = next(e for e, s in state.items() if s.get("running", 0) >= 1)
+    threads = [threading.Thread(target=plain, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    os.kill(state[victim]["pid"], signal.SIGKILL)
+    t_stream.join(120)
+    for t in threads:
+        t.join(300)
+    assert not t_stream.is_alive() and stream_events[-1] == "[DONE]"
+    assert any('"error"' in e for e in stream_events), stream_events[-3:]
+    assert results == {i: ref.outputs[0].text for i, ref in enumerate(refs)}
+    assert server.metric("kvos:router_engine_failures_total") >= 1
+    wait_until(lambda: engines(server)[victim].get("up") == 1.0
+               and engines(server)[victim].get("pid") not in (None, state[victim]["pid"]))
+    r = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=60, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == refs[0].outputs[0].text

@@ -1,0 +1,48 @@
+"""Disaggregated prefill on CPU: one prefill and one decode engine (Ray actors of the default
+model); the prompt's KV blocks move from one process to the other."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvos import SamplingParams
+
+pytest.importorskip("ray")
+
+PROMPTS = [f"Document {i}: " + "The page table maps virtual pages to physical frames. " * (6 + i)
+           + "Summarize the document." for i in range(3)]
+
+
+def test_prefill_engine_hands_its_blocks_to_the_decode_engine(llm):
+    from kvos.distributed import DataParallelEngine
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    refs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    dp = DataParallelEngine({"num_blocks": 128}, 1, "kv_aware", address="local", prefill_engines=1)
+
+    async def run():
+        dp.start()
+        outs = []
+        for i, p in enumerate(PROMPTS):
+            stream = await dp.submit(p, sp, f"req-{i}")
+            outs.append(await stream.result())
+        return outs
+
+    try:
+        outs = asyncio.run(run())
+        stats = dp.stats()
+    finally:
+        dp.shutdown()
+    blocks = 0
+    for out, ref in zip(outs, refs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        full = (len(ref.prompt_token_ids) - 1) // 16  # every full block but the last token's
+        assert out.metrics["engine"] == 0  # the decode engine generated it
+        assert out.metrics["cached_tokens_by_source"] == {"device": 0, "transfer": full * 16}
+        assert out.num_cached_tokens == full * 16
+        blocks += full
+    r = stats["router"]
+    assert r["prefills"] == 3 and r["transferred_blocks"] == blocks
+    assert [e["role"] for e in stats["engines"]] == ["decode", "prefill"]
+    assert stats["engines"][1]["prefix_queries_tokens"] == sum(len(o.prompt_token_ids) for o in refs)
