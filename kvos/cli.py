@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
                    type=lambda v: importlib.import_module("kvos.serve.app").allowed_origins_arg(v),
                    help="turn CORS on for these browser origins (comma-separated, or '*' for any); off by default")
-    from kvos.serve import limits
+    from kvos.serve import defaults as limits
 
     lg = s.add_argument_group("limits and shutdown")
     lg.add_argument("--max-request-bytes", type=_positive(int), default=limits.DEFAULT_MAX_REQUEST_BYTES,

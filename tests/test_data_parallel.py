@@ -54,7 +54,8 @@ def wait_until(cond, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def test_greedy_outputs_equal_one_engine(client, llm):
+def test_greedy_outputs_equal_one_engine(server, client, llm):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "engines_up": 2}
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The speed of light is"]
     refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     for prompt, ref in zip(prompts, refs):

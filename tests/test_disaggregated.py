@@ -14,6 +14,14 @@ PROMPTS = [f"Document {i}: " + "The page table maps virtual pages to physical fr
            + "Summarize the document." for i in range(3)]
 
 
+def test_the_tier_offload_is_a_kv_connector(make_llm):
+    from kvos.engine.connector import KVConnectorScheduler, KVConnectorWorker
+
+    offload = make_llm(num_blocks=32, kv_transfer_gb=0.01).engine.offload
+    assert isinstance(offload, KVConnectorScheduler) and isinstance(offload.tier_io, KVConnectorWorker)
+    assert [t.name for t in offload.h.tiers] == ["transfer"] and offload.cpu is None
+
+
 def test_prefill_engine_hands_its_blocks_to_the_decode_engine(llm):
     from kvos.distributed import DataParallelEngine
 

@@ -364,6 +364,11 @@ class DataParallelEngine:
         self.down[i] = False
 
     # -- observability ---------------------------------------------------------------------
+    def engines_up(self) -> int:
+        """Engines that can take requests now (decode engines in disaggregated mode): ``/health``
+        is 503 at 0."""
+        return sum(not d for d in self.down[: self.num_decode])
+
     def stats(self) -> dict:
         """The engines' figures summed (numbers at the top level), each engine's own under
         ``engines``, and the router's under ``router``."""

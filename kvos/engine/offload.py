@@ -78,7 +78,10 @@ class _Lookup:
 
 
 class OffloadManager:
-    """Device-side reads and writes happen on the engine thread (block bytes are only valid
+    """The scheduler side of the KV connector (``kvos.engine.connector``); ``TierIO`` is its
+    worker side.
+
+    Device-side reads and writes happen on the engine thread (block bytes are only valid
     while the pool says so); tier I/O happens on one background thread (``TierIO`` explains why
     there must be exactly one).
 

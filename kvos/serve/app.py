@@ -193,9 +193,12 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
 
     @app.get("/health")
     async def health():
-        if state.ready and not state.draining:
-            return {"status": "ok"}
-        return JSONResponse({"status": "draining" if state.draining else "warming_up"}, status_code=503)
+        engines = getattr(state.async_engine, "engines_up", None)  # a data-parallel front end
+        up = engines() if engines is not None else None
+        if state.ready and not state.draining and up != 0:
+            return {"status": "ok"} if up is None else {"status": "ok", "engines_up": up}
+        status = "draining" if state.draining else "warming_up" if not state.ready else "no_engine"
+        return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():

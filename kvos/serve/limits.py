@@ -28,10 +28,12 @@ import uvicorn
 log = logging.getLogger("kvos.serve")
 T = TypeVar("T")
 
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20
-DEFAULT_MAX_HEADER_BYTES = 32 << 10
-DEFAULT_REQUEST_TIMEOUT_S = 30.0
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+from kvos.serve.defaults import (  # noqa: F401  (re-exported)
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
 
 
 def _error_body(message: str, code: str, type_: str = "invalid_request_error") -> bytes:
