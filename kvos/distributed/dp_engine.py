@@ -13,7 +13,7 @@ from kvos.distributed.worker import EngineInfo, EngineWorker, PollResult
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
 from kvos.router.policies import DEFAULT_KV_WEIGHT, EngineLoad, Router, make_router
-from kvos.serve.async_engine import EngineStopped, RequestStream, _Stream
+from kvos.serve.async_engine import EngineStopped, EngineUnavailable, RequestStream, _Stream
 
 log = logging.getLogger("kvos.distributed")
 
@@ -188,6 +188,8 @@ class DataParallelEngine:
         """Run ``rec``'s prompt on a prefill engine for one token and keep a reference to its
         blocks there; on any failure the decode engine simply computes the whole prompt."""
         assert self.prefill_router is not None
+        if all(self.down[self.num_decode:]):
+            return  # no prefill engine is up
         j = self.prefill_router.choose(rec.hashes, self.loads[self.num_decode:])
         self.prefill_router.on_routed(j, rec.hashes)
         i = self.num_decode + j
@@ -218,6 +220,8 @@ class DataParallelEngine:
         from ray.exceptions import RayActorError
 
         while True:
+            if not self.engines_up():
+                raise EngineUnavailable("no engine is up to take this request; retry later")
             e = self.router.choose(rec.hashes, self.loads[: self.num_decode])
             rec.engine, rec.predicted = e, self.router.predicted_hits(e, rec.hashes)
             self._inflight[rec.request_id] = rec
@@ -341,7 +345,7 @@ class DataParallelEngine:
             else:
                 del self._inflight[rec.request_id]
                 self.router_stats.cut += 1
-                rec.stream.queue.put_nowait(RuntimeError(
+                rec.stream.queue.put_nowait(EngineUnavailable(
                     f"engine {i} failed while this request was streaming; retry it"))
 
     async def _resend(self, rec: _InFlight) -> None:
@@ -349,7 +353,7 @@ class DataParallelEngine:
             await self._send(rec)
         except Exception as err:
             self._inflight.pop(rec.request_id, None)
-            rec.stream.queue.put_nowait(RuntimeError(f"engine failed and no other could take the request: {err}"))
+            rec.stream.queue.put_nowait(EngineUnavailable(f"its engine failed and no other could take it: {err}"))
 
     async def _await_restart(self, i: int) -> None:
         """Ping until Ray has restarted engine ``i``, then route to it again (an empty cache)."""

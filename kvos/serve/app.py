@@ -185,7 +185,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
 
     @app.exception_handler(EngineStopped)
     async def _stopped(_: Request, e: EngineStopped):
-        return error_response(503, str(e), "service_unavailable", code="draining")
+        return error_response(503, str(e), "service_unavailable", code=e.code)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected):
@@ -582,7 +582,7 @@ def _error_event(e: Exception) -> dict:
     """The SSE event that ends a stream cut short (OpenAI's error shape): 503 ``draining`` when the
     server shut down, else an internal error."""
     if isinstance(e, EngineStopped):
-        return {"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": "draining"}}
+        return {"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": e.code}}
     log.exception("stream failed")
     return {"error": {"message": f"internal error: {e}", "type": "internal_error", "param": None, "code": None}}
 

@@ -20,7 +20,16 @@ T = TypeVar("T")
 
 class EngineStopped(RuntimeError):
     """The server is shutting down: the request was cut (or never taken). The message names the
-    option that set the deadline."""
+    option that set the deadline. A 503 (or a stream's error event) with ``code``."""
+
+    code = "draining"
+
+
+class EngineUnavailable(EngineStopped):
+    """No engine can take or finish the request now: the engine serving a stream died, or every
+    engine of a data-parallel server is down (retry later)."""
+
+    code = "engine_unavailable"
 
 
 @dataclass
