@@ -89,22 +89,24 @@ def test_chats_follow_their_prefix_to_its_engine(server, client):
 
 
 def test_a_killed_engine_loses_no_plain_request_and_cuts_streams_cleanly(server, client, llm):
-    """Six plain requests and one stream run when the stream's engine is killed (SIGKILL): the
-    plain ones all finish, equal to one engine's outputs; the stream ends with an error event
-    and [DONE], not a hang; Ray restarts the engine and the router takes it back."""
+    """Two streams (one per engine) and six plain requests run when the busier engine is killed
+    (SIGKILL): the plain ones all finish, equal to one engine's outputs, those it held moved to
+    the other engine; its stream ends with an engine_unavailable error event and [DONE], not a
+    hang, while the other stream completes; Ray restarts the engine and the router takes it back."""
     prompts = [f"Write a long story about the number {i}." for i in range(6)]
     refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
-    first_chunk = threading.Event()
-    stream_events: list[str] = []
+    retried = server.metric("kvos:router_retried_requests_total")
+    started = [threading.Event(), threading.Event()]
+    events: list[list[str]] = [[], []]
 
-    def stream() -> None:
-        body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 400, "temperature": 0,
+    def stream(k: int) -> None:
+        body = {"model": MODEL, "prompt": f"Count from {k} to one thousand:", "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    stream_events.append(line[6:])
-                    first_chunk.set()
+                    events[k].append(line[6:])
+                    started[k].set()
 
     results: dict[int, str] = {}
 
@@ -113,22 +115,26 @@ def test_a_killed_engine_loses_no_plain_request_and_cuts_streams_cleanly(server,
                                       extra_body={"ignore_eos": True})
         results[i] = r.choices[0].text
 
-    t_stream = threading.Thread(target=stream)
-    t_stream.start()
-    assert first_chunk.wait(120)
-    state = engines(server)
-    victim = next(e for e, s in state.items() if s.get("running", 0) >= 1)
-    threads = [threading.Thread(target=plain, args=(i,)) for i in range(6)]
-    for t in threads:
+    streams = [threading.Thread(target=stream, args=(k,)) for k in range(2)]
+    for t, e in zip(streams, started):  # the second finds the first's engine busy: one stream each
         t.start()
-    time.sleep(1.0)
+        assert e.wait(120)
+    plains = [threading.Thread(target=plain, args=(i,)) for i in range(6)]
+    for t in plains:
+        t.start()
+    wait_until(lambda: sum(s.get("running", 0) for s in engines(server).values()) >= 5, timeout=60)
+    state = engines(server)
+    assert all(s.get("running", 0) >= 1 for s in state.values()), state  # both engines busy
+    victim = max(state, key=lambda e: state[e].get("running", 0))
     os.kill(state[victim]["pid"], signal.SIGKILL)
-    t_stream.join(120)
-    for t in threads:
+    for t in streams + plains:
         t.join(300)
-    assert not t_stream.is_alive() and stream_events[-1] == "[DONE]"
-    assert any('"engine_unavailable"' in e for e in stream_events), stream_events[-3:]
+        assert not t.is_alive()
     assert results == {i: ref.outputs[0].text for i, ref in enumerate(refs)}
+    assert server.metric("kvos:router_retried_requests_total") > retried  # some were on the victim
+    assert all(e[-1] == "[DONE]" for e in events)
+    cut = [any('"engine_unavailable"' in x for x in e) for e in events]
+    assert sorted(cut) == [False, True], events  # the victim's stream was cut, the other finished
     assert server.metric("kvos:router_engine_failures_total") >= 1
     wait_until(lambda: engines(server)[victim].get("up") == 1.0
                and engines(server)[victim].get("pid") not in (None, state[victim]["pid"]))

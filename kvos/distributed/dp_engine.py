@@ -3,6 +3,7 @@ OpenAI server drives (``kvos serve --data-parallel N``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -177,6 +178,13 @@ class DataParallelEngine:
             raise
         return RequestStream(self, request_id, stream, params.n)
 
+    def _count(self, i: int, rec: _InFlight) -> None:
+        """Add a request just sent to engine ``i`` to its load at once (the engine's own figure
+        replaces it at the next poll), so that a burst routed before that poll spreads."""
+        load = self.loads[i]
+        self.loads[i] = dataclasses.replace(load, waiting=load.waiting + rec.params.n,
+                                            prefill_tokens=load.prefill_tokens + len(rec.prompt["prompt_token_ids"]))
+
     def _router_of(self, i: int) -> tuple[Router, int]:
         """The router that chooses engine ``i``, and ``i``'s number there."""
         if i < self.num_decode:
@@ -200,6 +208,7 @@ class DataParallelEngine:
         try:
             await self.actors[i].add.remote(pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
                                             rec.priority, rec.salt)
+            self._count(i, pre)
             self.router_stats.routed[i] += 1
             while True:
                 item = await pre.stream.queue.get()
@@ -241,6 +250,7 @@ class DataParallelEngine:
                 self._inflight.pop(rec.request_id, None)
                 raise
             self.router.on_routed(e, rec.hashes)
+            self._count(e, rec)
             self.router_stats.routed[e] += 1
             self.router_stats.predicted_hit_blocks += rec.predicted
             self.router_stats.prompt_blocks += len(rec.hashes)
