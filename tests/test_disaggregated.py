@@ -2,8 +2,6 @@
 model); the prompt's KV blocks move from one process to the other."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from kvos import SamplingParams
@@ -23,25 +21,14 @@ def test_the_tier_offload_is_a_kv_connector(make_llm):
 
 
 def test_prefill_engine_hands_its_blocks_to_the_decode_engine(llm):
-    from kvos.distributed import DataParallelEngine
+    """Through ``DataParallelLLM`` (the blocking Python interface)."""
+    from kvos.distributed import DataParallelLLM
 
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     refs = llm.generate(PROMPTS, sp, use_tqdm=False)
-    dp = DataParallelEngine({"num_blocks": 128}, 1, "kv_aware", address="local", prefill_engines=1)
-
-    async def run():
-        dp.start()
-        outs = []
-        for i, p in enumerate(PROMPTS):
-            stream = await dp.submit(p, sp, f"req-{i}")
-            outs.append(await stream.result())
-        return outs
-
-    try:
-        outs = asyncio.run(run())
+    with DataParallelLLM(1, "kv_aware", prefill_engines=1, ray_address="local", num_blocks=128) as dp:
+        outs = dp.generate(PROMPTS, sp)
         stats = dp.stats()
-    finally:
-        dp.shutdown()
     blocks = 0
     for out, ref in zip(outs, refs):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -132,6 +132,13 @@ class DataParallelEngine:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._poll_loop(i)) for i in range(len(self.actors))]
 
+    async def stop_polling(self) -> None:
+        """Cancel the poll tasks and wait for them (on the loop that ``start`` ran on)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
     def shutdown(self, timeout: float = 10.0) -> None:
         import ray
 

@@ -1,0 +1,74 @@
+"""``DataParallelLLM``: several engines on Ray behind a router, with ``LLM.generate``'s blocking
+interface (offline batches from Python)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+from kvos.distributed.dp_engine import DataParallelEngine
+from kvos.engine.outputs import RequestOutput
+from kvos.engine.sampling_params import SamplingParams
+
+
+class DataParallelLLM:
+    """``num_engines`` engines of one model (``engine_kwargs`` are ``LLM``'s keywords) behind
+    ``router``; ``prefill_engines`` > 0 adds engines that only prefill (disaggregated).
+
+    The ``DataParallelEngine`` lives on an event loop of its own thread; ``generate`` submits
+    every prompt, waits for all, and returns the outputs in prompt order. Call ``shutdown`` (or
+    use ``with``) to stop the engines.
+    """
+
+    def __init__(self, num_engines: int = 2, router: str = "kv_aware", prefill_engines: int = 0,
+                 ray_address: str | None = None, **engine_kwargs) -> None:
+        self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address,
+                                         prefill_engines=prefill_engines)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvos-dp-loop", daemon=True)
+        self._thread.start()
+        self._run(self._start())
+        self._ids = 0
+
+    async def _start(self) -> None:
+        self.engine.start()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts`` (strings, token-id lists or ``{"prompt_token_ids": ...}``)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [{"prompt_token_ids": list(p)} if isinstance(p, list) else p for p in prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        for sp in params_list:
+            sp.validate()
+        first = self._ids
+        self._ids += len(prompts)
+
+        async def run() -> list[RequestOutput]:
+            streams = [await self.engine.submit(p, sp, f"dp-{first + i}", cache_salt=cache_salt, retriable=True)
+                       for i, (p, sp) in enumerate(zip(prompts, params_list))]
+            return list(await asyncio.gather(*(s.result() for s in streams)))
+
+        return self._run(run())
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._run(self.engine.stop_polling())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self.engine.shutdown()
+
+    def __enter__(self) -> DataParallelLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
