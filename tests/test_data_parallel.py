@@ -88,6 +88,22 @@ def test_chats_follow_their_prefix_to_its_engine(server, client):
     assert server.metric("kvos:router_obtained_hit_blocks_total") >= 8 * 10
 
 
+def test_tenants_keep_their_salts_across_engines(server):
+    """A prefix cached for one tenant is a hit for that tenant, on whatever engine the router
+    picks, and never for another tenant."""
+    prompt = "Tenant isolation matters. " * 30 + "Say hi."
+
+    def cached(salt: str) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": salt}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+
+
 def test_a_killed_engine_loses_no_plain_request_and_cuts_streams_cleanly(server, client, llm):
     """Two streams (one per engine) and six plain requests run when the busier engine is killed
     (SIGKILL): the plain ones all finish, equal to one engine's outputs, those it held moved to
