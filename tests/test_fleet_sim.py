@@ -17,6 +17,7 @@ from kvos.sim.hardware import GPUS
 from kvos.sim.shapes import PRESETS
 from kvos.sim.simulator import SIM_MODEL_ID, EngineSim, SimConfig, Simulator
 from kvos.sim.traces import TraceRequest, load_mooncake
+from tests.test_simulator import full_block_hit_rate  # independent of kvos
 
 DATA = Path(__file__).parent / "data"
 COST = CostModel.for_model(PRESETS["llama-3.1-8b"], GPUS["H100-80G"])
@@ -37,21 +38,6 @@ def stored(engine: int, seq: int, hashes: list[bytes], epoch: str = "e") -> KVEv
 @pytest.fixture(scope="module")
 def conversation():
     return load_mooncake(DATA / "mooncake_conversation.jsonl.gz", 600)
-
-
-def full_block_hit_rate(trace) -> float:
-    """Independent of kvos (as in test_simulator): an unbounded cache of full blocks, counted
-    from the trace's hash ids."""
-    seen: set[int] = set()
-    hit = total = 0
-    for tr in sorted(trace, key=lambda r: r.arrival_s):
-        n_full = tr.input_len // 512
-        k = 0
-        while k < n_full and tr.hash_ids[k] in seen:
-            k += 1
-        hit, total = hit + k, total + len(tr.hash_ids)
-        seen.update(tr.hash_ids[:n_full])
-    return hit / total
 
 
 # -- the policies, against their definitions ---------------------------------------------

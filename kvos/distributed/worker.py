@@ -50,6 +50,10 @@ class EngineWorker:
     request in flight. Outputs travel without their prompt (the front end has it).
     """
 
+    STATS_EVERY_S = 0.1
+    """The engine's full figures (for /metrics) are refreshed at most this often while it is
+    busy, and once when it goes idle; its load (for routing) after every step."""
+
     MAX_EVENT_BATCHES = 1024
     """Unpolled event batches kept at most; older ones are dropped (the subscriber sees the gap
     and resyncs from a snapshot)."""
@@ -72,6 +76,7 @@ class EngineWorker:
         self._events: list[KVEventBatch] = []
         self._load = EngineLoad()
         self._stats: dict = {**self.engine.stats(), "pid": os.getpid()}
+        self._stats_at = time.monotonic()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"kvos-{self.engine_id}", daemon=True)
         self._thread.start()
@@ -212,7 +217,11 @@ class EngineWorker:
                         e.abort_request(rid)
                         failed[rid] = f"engine error: {err}"
             batch = e.drain_kv_events()
-            stats = {**e.stats(), "pid": os.getpid()}
+            load = e.scheduler.load()
+            now = time.monotonic()
+            stats = None
+            if now - self._stats_at >= self.STATS_EVERY_S or not e.has_unfinished_requests():
+                stats, self._stats_at = {**e.stats(), "pid": os.getpid()}, now
             with self._lock:
                 for out in outputs:
                     out.prompt, out.prompt_token_ids = None, []
@@ -221,7 +230,8 @@ class EngineWorker:
                 if batch is not None:
                     self._events.append(batch)
                     del self._events[: -self.MAX_EVENT_BATCHES]
-                self._load = e.scheduler.load()
-                self._stats = stats
+                self._load = load
+                if stats is not None:
+                    self._stats = stats
                 if outputs or failed or batch is not None:
                     self._changed.notify_all()
