@@ -112,14 +112,14 @@ class DataParallelEngine:
         self.model_id = self.info.model_id
         self.block_size = self.info.block_size
         self.router_name = router
-        capacity = max(1, engine_kwargs.get("num_blocks") or 2000)
+        self.engine_stats: list[dict] = ray.get([a.stats.remote() for a in self.actors])
+        capacity = max(1, self.engine_stats[0].get("total") or 2000)  # approx remembers a pool's worth
         self.num_decode = num_engines
         self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity_blocks=capacity)
         self.prefill_router = (make_router(router, prefill_engines, self.block_size, kv_weight, capacity_blocks=capacity)
                                if prefill_engines else None)
         self.loads = [EngineLoad() for _ in range(total)]
         self.down = [False] * total
-        self.engine_stats: list[dict] = ray.get([a.stats.remote() for a in self.actors])
         self.router_stats = RouterStats(routed=[0] * total)
         self.poll_s = poll_s
         self.num_pending = 0  # sequences submitted with no output yet (the event loop only)
