@@ -11,7 +11,6 @@ from typing import Any
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.distributed.worker import EngineInfo, EngineWorker, PollResult
-from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
 from kvos.router.policies import DEFAULT_KV_WEIGHT, EngineLoad, Router, make_router
 from kvos.serve.async_engine import EngineStopped, EngineUnavailable, RequestStream, _Stream
@@ -32,7 +31,6 @@ class _InFlight:
     hashes: list[bytes]
     predicted: int
     delivered: bool = False
-    tries: int = 1
     transfer: Any = None
     """Disaggregated prefill: the prefill engine's ``extract`` (a Ray object reference)."""
 
@@ -356,7 +354,6 @@ class DataParallelEngine:
                 del self._inflight[rec.request_id]
                 rec.stream.queue.put_nowait(RuntimeError(f"prefill engine {i} failed"))
             elif (rec.retriable or not rec.delivered) and any(not d for d in self.down[: self.num_decode]):
-                rec.tries += 1
                 self.router_stats.retried += 1
                 asyncio.get_running_loop().create_task(self._resend(rec))
             else:
@@ -408,5 +405,3 @@ class DataParallelEngine:
         total["router"] = {"policy": self.router_name, **vars(self.router_stats)}
         return total
 
-
-__all__ = ["DataParallelEngine", "RequestOutput"]
