@@ -175,12 +175,18 @@ def mask_key(key: str) -> str:
     return f"{key[:3]}...{key[-4:]}" if len(key) >= 20 else "***"
 
 
-def usage_banner(host: str, port: int, model: str, api_key: str | None, chat: bool = True) -> str:
+def usage_banner(host: str, port: int, model: str, api_key: str | None, chat: bool = True,
+                 token_ids: bool = False) -> str:
     """How to call the server: a chat example, or a plain completion for a base model (no chat
-    template). The API key is masked: the banner goes to logs."""
+    template), or one with token ids (``token_ids``: no tokenizer). The API key is masked: the
+    banner goes to logs."""
     api_key = mask_key(api_key) if api_key else None
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
-    if chat:
+    if token_ids:
+        route, body = "completions", f'{{"model": "{model}", "prompt": [1, 2, 3, 4], "max_tokens": 16}}'
+        call = f"""client.completions.create(model="{model}",
+        prompt=[1, 2, 3, 4], max_tokens=16).choices[0].model_extra["token_ids"]"""
+    elif chat:
         route, body = "chat/completions", f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'
         call = f"""client.chat.completions.create(model="{model}",
         messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content"""
@@ -233,8 +239,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     app = create_app(engine, name, api_keys=a.api_key, max_waiting=a.max_waiting_requests,
                      warmup=not a.no_warmup, allowed_origins=a.allowed_origins,
                      max_request_bytes=a.max_request_bytes, shutdown_timeout_s=a.shutdown_timeout_s)
-    print(usage_banner(a.host, a.port, name, (a.api_key or [None])[0], has_chat_template(engine.tokenizer)),
-          flush=True)
+    print(usage_banner(a.host, a.port, name, (a.api_key or [None])[0], has_chat_template(engine.tokenizer),
+                       token_ids=engine.tokenizer is None), flush=True)
     protocol = guarded_protocol(a.request_timeout_s, a.max_header_bytes)
     if protocol is None:
         logging.getLogger("kvos.serve").warning("httptools is not installed: no --request-timeout-s, and "

@@ -113,6 +113,9 @@ class EngineConfig:
         "group": TIERS, "help": "host memory for swapped-out KV (--preemption-mode swap)"})
     random_weights: bool = field(default=False, metadata={
         "help": "draw weights at random from the model's config (benchmarks without real weights)"})
+    skip_tokenizer_init: bool = field(default=False, metadata={
+        "help": "no tokenizer: prompts are token ids, outputs are token ids with empty text (no detokenizing, "
+                "no stop strings); a model without tokenizer files needs it to be served"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "fraction of the GPU's memory the engine may use (weights, activations and KV pool)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})

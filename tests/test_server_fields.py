@@ -116,3 +116,18 @@ def test_response_format_names_and_tools(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, tools=[tool])
     assert e.value.body["param"] == "tools" and "not supported" in e.value.body["message"]
+
+
+def test_return_token_ids(server, client, base):
+    """vLLM's ``return_token_ids``: the choice's ids decode to its text; the prompt's ids are the
+    tokenizer's."""
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": REPEAT, "max_tokens": 8, "temperature": 0,
+                                                         "return_token_ids": True}, timeout=60).json()
+    choice = r["choices"][0]
+    assert choice["text"] == base.choices[0].text
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    assert choice["prompt_token_ids"] == httpx.post(f"{server.url}/tokenize", json={"prompt": REPEAT}).json()["tokens"]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": 0,
+                                                                 "return_token_ids": True}, timeout=60).json()
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    assert "token_ids" not in (complete(client).choices[0].model_extra or {})  # off by default

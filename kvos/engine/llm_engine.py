@@ -95,10 +95,10 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if config.random_weights:
             path = resolve_config_path(config.model)
-            self.tokenizer = load_tokenizer_for_config(path)
+            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer_for_config(path)
         else:
             path = resolve_model_path(config.model)
-            self.tokenizer = load_tokenizer(path)
+            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.model_path = path
         dtype = parse_dtype(config.dtype or ("bfloat16" if config.device.startswith("cuda") else "float32"))
         self.runner = ModelRunner(path, dtype, torch.device(config.device), random_weights=config.random_weights)
@@ -167,7 +167,8 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer (random weights); pass prompt_token_ids")
+                raise ValueError("prompt: this engine has no tokenizer (random weights without tokenizer files, or "
+                                 "skip_tokenizer_init); pass prompt_token_ids")
             return prompt, encode_prompt(self.tokenizer, prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -192,6 +193,8 @@ class LLMEngine:
                     cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
+        if self.tokenizer is None and params.stop_strings:
+            raise ValueError("stop: stop strings need a tokenizer, and this engine has none; use stop_token_ids")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):

@@ -92,12 +92,12 @@ class ServerState:
         self.max_waiting = max_waiting
         self.metrics = ServerMetrics(self._stats)
         # fast tokenizers are not thread-safe: the event loop gets its own instance, the engine
-        # thread keeps the engine's
+        # thread keeps the engine's. None: token ids in and out (``require_tokenizer``)
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         # prompts are tokenized on worker threads (each its own copy), never on the event loop or
         # the engine thread; ``token_bytes`` bounds a text's token count from below by its size
-        self.tokenizers = TokenizerPool(engine.tokenizer, copy.deepcopy)
-        self.token_bytes = max_token_bytes(self.tokenizer)
+        self.tokenizers = None if self.tokenizer is None else TokenizerPool(engine.tokenizer, copy.deepcopy)
+        self.token_bytes = None if self.tokenizer is None else max_token_bytes(self.tokenizer)
         self.shutdown_timeout_s = shutdown_timeout_s
         self.num_tokenizing = 0  # sequences admitted and being tokenized (not yet in num_pending)
         self.logprobs = LogprobFormatter(self.tokenizer)
@@ -110,6 +110,14 @@ class ServerState:
         model_id = getattr(engine, "model_id", None) or getattr(getattr(engine, "kv", None), "model_id", model_name)
         self.fingerprint = system_fingerprint(kvos.__version__, model_id,
                                               getattr(config, "dtype", None), getattr(config, "device", None))
+
+    def require_tokenizer(self, param: str) -> None:
+        """400 naming ``param`` when this server has no tokenizer (``--skip-tokenizer-init``, or a
+        model without tokenizer files): only token-id prompts to ``/v1/completions`` work then."""
+        if self.tokenizer is None:
+            raise APIError(400, f"{param}: this server has no tokenizer (--skip-tokenizer-init, or a model without "
+                                f"tokenizer files); send prompts as token ids to /v1/completions",
+                           param=param, code="tokenizer_unavailable")
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvos",
@@ -159,9 +167,6 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     """``allowed_origins``: turn CORS on for these origins (``["*"]``: any); off when None or
     empty. ``max_request_bytes``: larger bodies get 413. ``shutdown_timeout_s``: how long
     shutdown waits for requests in flight before cutting them (``app.state.kvos.drain``)."""
-    if engine.tokenizer is None:
-        raise ValueError("model: serving needs a tokenizer; this random-weight model has none "
-                         "(put tokenizer files beside its config.json)")
     state = ServerState(engine, model_name, api_keys or [], max_waiting, shutdown_timeout_s)
 
     @contextlib.asynccontextmanager
@@ -172,7 +177,8 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         await state.drain()  # at once when the server's signal handler already drained
         task.cancel()
         state.async_engine.shutdown()
-        state.tokenizers.shutdown()
+        if state.tokenizers is not None:
+            state.tokenizers.shutdown()
 
     app = FastAPI(title="kvos", version=kvos.__version__, lifespan=lifespan)
     app.state.kvos = state
@@ -214,6 +220,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     async def tokenize(body: TokenizeRequest):
         """vLLM's ``/tokenize``: the ids a prompt (or a chat) becomes, and the context length."""
         _check_model(state, body.model)
+        state.require_tokenizer("messages" if body.messages is not None else "prompt")
         if body.messages is not None:
             messages = _messages(body.messages)
             ids = await state.tokenizers.run(lambda tok: _chat_ids(tok, messages, body.add_generation_prompt,
@@ -233,6 +240,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest):
         _check_model(state, body.model)
+        state.require_tokenizer("tokens")
         vocab = engine.model_config.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -251,6 +259,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         never evicted until ``DELETE /v1/cache/pins/{pin_id}`` or ``ttl_s`` seconds."""
         _check_model(state, body.model)
         if body.messages is not None:
+            state.require_tokenizer("messages")
             messages = _messages(body.messages)
             state.check_fits(_user_text(messages), "messages")
             prompt = {"prompt_token_ids": await state.tokenizers.run(lambda tok: _chat_ids(tok, messages, False,
@@ -292,6 +301,8 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     async def completions(body: CompletionRequest, request: Request):
         num_seqs = len(body.prompts()) * body.n
         _admit(state, body.model, num_seqs, "n" if body.n > 1 else "prompt")
+        if body.echo:
+            state.require_tokenizer("echo")
         with state.tokenizing(num_seqs):
             prompts = await _pretokenize(state, body.prompts())
         for p in prompts:
@@ -300,16 +311,18 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, prompts, params, rid, body.priority, _salt(request, body.cache_salt),
                                     bool(body.stream))
+        ids = _returns_token_ids(state, body)
         if body.stream:
-            return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body), body.echo))
+            return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body), body.echo, ids))
         outs = await _collect(state, request, streams)
         _observe(state, streams)
         return completion_body(rid, state.model_name, outs, params.n, state.logprobs, state.fingerprint,
-                               body.echo)
+                               body.echo, ids)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _admit(state, body.model, body.n, "n")
+        state.require_tokenizer("messages")
         messages = _messages(body.messages)
         state.check_fits(_user_text(messages), "messages")
         with state.tokenizing(body.n):
@@ -321,11 +334,12 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, [{"prompt_token_ids": ids}], params, rid, body.priority,
                                     _salt(request, body.cache_salt), bool(body.stream))
+        ids = _returns_token_ids(state, body)
         if body.stream:
-            return _sse_response(_chat_chunks(state, rid, streams[0], _UsageMode(body), top_n))
+            return _sse_response(_chat_chunks(state, rid, streams[0], _UsageMode(body), top_n, ids))
         outs = await _collect(state, request, streams)
         _observe(state, streams)
-        return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint)
+        return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint, ids)
 
     app.include_router(v1)
     return app
@@ -341,7 +355,7 @@ async def _warm_up(state: ServerState) -> None:
     detokenizer) before reporting ready."""
     try:
         params = SamplingParams(temperature=0, max_tokens=4)
-        prompts = list(WARMUP_PROMPTS)
+        prompts = list(WARMUP_PROMPTS) if state.tokenizer is not None else [{"prompt_token_ids": list(range(1, 9))}]
         if has_chat_template(state.tokenizer):  # a base model has none
             prompts.append({"prompt_token_ids": chat_prompt_ids(state.tokenizer, [{"role": "user", "content": "Hi"}])})
         streams = [await state.async_engine.submit(p, params, f"warmup-{i}", cache_salt="kvos-warmup")
@@ -384,6 +398,13 @@ def _pin_json(pin) -> dict:
     left = None if pin.expires_at is None else max(0.0, pin.expires_at - time.monotonic())
     return {"id": pin.pin_id, "pinned_tokens": pin.num_tokens, "pinned_blocks": len(pin.blocks),
             "expires_in_s": left}
+
+
+def _returns_token_ids(state: ServerState, body) -> bool:
+    """vLLM's ``return_token_ids``: each choice carries its ``token_ids`` (a stream: each chunk its
+    new ones) and its ``prompt_token_ids`` (a stream: in its first chunk). On by default without a
+    tokenizer, where the text is always empty."""
+    return body.return_token_ids if body.return_token_ids is not None else state.tokenizer is None
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -444,6 +465,8 @@ async def _pretokenize(state: ServerState, prompts: list) -> list:
     tokenize, or becomes no tokens, is passed on as text: the engine's error names what is wrong
     with it."""
     texts = [p for p in prompts if isinstance(p, str) and p]
+    if texts:
+        state.require_tokenizer("prompt")
     for p in texts:
         state.check_fits(p, "prompt")
 
@@ -604,9 +627,9 @@ class _UsageMode:
 
 
 async def _completion_chunks(state: ServerState, rid: str, streams: list[RequestStream], n: int,
-                             mode: _UsageMode, echo: bool = False) -> AsyncIterator[str]:
+                             mode: _UsageMode, echo: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
     """With ``echo`` a choice's first chunk starts with the prompt's text; with prompt logprobs
-    it carries them (vLLM)."""
+    it carries them (vLLM). With ``token_ids`` every new token makes a chunk (text or not)."""
     created, model = int(time.time()), state.model_name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": state.fingerprint}
@@ -625,7 +648,8 @@ async def _completion_chunks(state: ServerState, rid: str, streams: list[Request
                 t0, k0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
                 delta = c.text[t0:]
                 reason = finish_reason(c)
-                if not delta and reason is None and not (first and (echo or out.prompt_logprobs)):
+                new_ids = token_ids and len(c.token_ids) > k0
+                if not delta and not new_ids and reason is None and not (first and (echo or out.prompt_logprobs)):
                     continue
                 sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
                 head = prompt_text(out, state.tokenizer) if echo else ""
@@ -635,6 +659,10 @@ async def _completion_chunks(state: ServerState, rid: str, streams: list[Request
                           "logprobs": state.logprobs.completion(c, k0, len(head) + t0), "finish_reason": reason}
                 if first and out.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = state.logprobs.prompt(out.prompt_logprobs)
+                if token_ids:
+                    choice["token_ids"] = c.token_ids[k0:]
+                    if first:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
                 if reason is not None:
                     finished.add(key)
                 yield sse({**base, "choices": [choice], **mode.field([last[i] for i in sorted(last)])})
@@ -649,7 +677,7 @@ async def _completion_chunks(state: ServerState, rid: str, streams: list[Request
 
 
 async def _chat_chunks(state: ServerState, rid: str, stream: RequestStream, mode: _UsageMode,
-                       top_n: int) -> AsyncIterator[str]:
+                       top_n: int, token_ids: bool = False) -> AsyncIterator[str]:
     created, model = int(time.time()), state.model_name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": state.fingerprint}
@@ -663,15 +691,20 @@ async def _chat_chunks(state: ServerState, rid: str, stream: RequestStream, mode
                     continue
                 if c.index not in sent_text:
                     sent_text[c.index] = sent_tokens[c.index] = 0
-                    yield sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}], **mode.field([out])})
+                    first = {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}
+                    if token_ids:
+                        first["prompt_token_ids"] = out.prompt_token_ids
+                    yield sse({**base, "choices": [first], **mode.field([out])})
                 t0, k0 = sent_text[c.index], sent_tokens[c.index]
                 delta, reason = c.text[t0:], finish_reason(c)
                 if delta or len(c.token_ids) > k0:
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    yield sse({**base, "choices": [{"index": c.index, "delta": {"content": delta},
-                                                    "logprobs": state.logprobs.chat(c, k0, top_n),
-                                                    "finish_reason": None}], **mode.field([out])})
+                    choice = {"index": c.index, "delta": {"content": delta},
+                              "logprobs": state.logprobs.chat(c, k0, top_n), "finish_reason": None}
+                    if token_ids:
+                        choice["token_ids"] = c.token_ids[k0:]
+                    yield sse({**base, "choices": [choice], **mode.field([out])})
                 if reason is not None:
                     finished.add(c.index)
                     yield sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,

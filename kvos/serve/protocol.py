@@ -83,6 +83,7 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    return_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _check(self):

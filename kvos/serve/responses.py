@@ -37,7 +37,8 @@ class LogprobFormatter:
         self.tok = tokenizer
 
     def text(self, token_id: int) -> str:
-        return self.tok.decode([token_id])
+        """The token's text; ``token_id:N`` without a tokenizer (as vLLM writes it)."""
+        return f"token_id:{token_id}" if self.tok is None else self.tok.decode([token_id])
 
     def completion(self, c: CompletionOutput, start: int, offset0: int) -> dict | None:
         """Legacy completions ``logprobs`` for tokens ``start:`` of ``c``."""
@@ -89,9 +90,10 @@ def prompt_text(out: RequestOutput, tokenizer) -> str:
 
 
 def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp: LogprobFormatter,
-                    fingerprint: str, echo: bool = False) -> dict:
+                    fingerprint: str, echo: bool = False, token_ids: bool = False) -> dict:
     """``echo``: each choice's text starts with its prompt's; prompt logprobs (vLLM's
-    ``prompt_logprobs``) come as a list on each choice."""
+    ``prompt_logprobs``) come as a list on each choice; ``token_ids``: so do the prompt's and the
+    completion's token ids (vLLM's ``return_token_ids``)."""
     choices = []
     for i, o in enumerate(outs):
         head = prompt_text(o, lp.tok) if echo else ""
@@ -100,14 +102,18 @@ def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp:
                       "finish_reason": finish_reason(c)}
             if o.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = lp.prompt(o.prompt_logprobs)
+            if token_ids:
+                choice.update(prompt_token_ids=o.prompt_token_ids, token_ids=list(c.token_ids))
             choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "system_fingerprint": fingerprint, "choices": choices, "usage": usage(outs)}
 
 
 def chat_body(rid: str, model: str, out: RequestOutput, lp: LogprobFormatter, top_n: int,
-              fingerprint: str) -> dict:
+              fingerprint: str, token_ids: bool = False) -> dict:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": lp.chat(c, 0, top_n), "finish_reason": finish_reason(c)} for c in out.outputs]
+                "logprobs": lp.chat(c, 0, top_n), "finish_reason": finish_reason(c),
+                **({"prompt_token_ids": out.prompt_token_ids, "token_ids": list(c.token_ids)} if token_ids else {})}
+               for c in out.outputs]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "system_fingerprint": fingerprint, "choices": choices, "usage": usage([out])}
