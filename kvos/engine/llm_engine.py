@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import time
@@ -34,6 +35,8 @@ from kvos.model.loader import (
 from kvos.model.runner import LaunchedStep, ModelRunner, parse_dtype
 
 PromptType = str | list[int] | dict
+
+log = logging.getLogger("kvos.engine")
 
 
 @dataclass
@@ -92,6 +95,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        t0 = time.perf_counter()
         torch.manual_seed(config.seed)
         if config.random_weights:
             path = resolve_config_path(config.model)
@@ -103,6 +107,7 @@ class LLMEngine:
         dtype = parse_dtype(config.dtype or ("bfloat16" if config.device.startswith("cuda") else "float32"))
         self.runner = ModelRunner(path, dtype, torch.device(config.device), random_weights=config.random_weights)
         mc = self.model_config = self.runner.cfg
+        t_weights = time.perf_counter()
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         model_dtype = str(dtype).removeprefix("torch.")
@@ -110,6 +115,7 @@ class LLMEngine:
         self.layout = build_layout(mc.layer_windows(), config.block_size, mc.num_kv_heads, mc.head_dim,
                                    self.kv_cache_dtype, config.kv_layout)
         num_blocks = config.num_blocks or self._num_blocks_for_budget()
+        t_profile = time.perf_counter()
         if num_blocks < 2:
             raise ValueError(f"the KV budget holds fewer than two pages of {self.layout.large_page_bytes} bytes "
                              f"(kv_cache_memory_bytes={config.kv_cache_memory_bytes}, "
@@ -126,8 +132,16 @@ class LLMEngine:
         self.kv_events = (self.kv.enable_events(f"{socket.gethostname()}:{os.getpid()}") if config.kv_events
                           else None)
         self.runner.allocate_kv_cache(self.layout, num_blocks)
+        t_alloc = time.perf_counter()
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        t_graphs = time.perf_counter()
+        self.startup_s = {"weights": t_weights - t0, "kv_profile": t_profile - t_weights,
+                          "kv_allocate": t_alloc - t_profile, "cuda_graphs": t_graphs - t_alloc}
+        """Seconds each start-up phase took (tokenizer and weights, KV budget profiling, pool
+        allocation, CUDA graph capture)."""
+        log.info("engine start-up: %s (%d KV blocks)",
+                 ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()), num_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.scheduling_policy, config.preemption_order,
                                                    config.fairness_steps, config.eviction_lookahead), self.kv)

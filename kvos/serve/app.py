@@ -353,6 +353,7 @@ async def _mark_ready(state: ServerState) -> None:
 async def _warm_up(state: ServerState) -> None:
     """Run a few requests through the whole pipeline (tokenizer, scheduler, model, sampler,
     detokenizer) before reporting ready."""
+    t0 = time.perf_counter()
     try:
         params = SamplingParams(temperature=0, max_tokens=4)
         prompts = list(WARMUP_PROMPTS) if state.tokenizer is not None else [{"prompt_token_ids": list(range(1, 9))}]
@@ -362,7 +363,7 @@ async def _warm_up(state: ServerState) -> None:
                    for i, p in enumerate(prompts)]
         await asyncio.gather(*(s.result() for s in streams))
         state.ready = True
-        log.info("warm-up done; ready")
+        log.info("warm-up done in %.1f s; ready", time.perf_counter() - t0)
     except Exception:
         log.exception("warm-up failed")
 
