@@ -66,6 +66,8 @@ class _Group:
 
     def finished(self) -> bool:
         parent = self.seqs[0]
+        if self.params.n == 1:
+            return parent.status.finished
         if parent.is_finished and not parent.forked:
             return True
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs.values())

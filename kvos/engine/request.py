@@ -18,9 +18,12 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+    finished: bool
+    """Whether the request ended (a plain attribute: read for every request on every step)."""
+
+
+for _status in RequestStatus:
+    _status.finished = _status.value in ("stop", "length", "abort")
 
 
 @dataclass(eq=False)

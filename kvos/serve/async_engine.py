@@ -188,13 +188,18 @@ class AsyncEngine:
                 log.exception("engine step failed; failing its requests")
                 self._fail_all(e)
                 continue
+            # one hand-over per event loop per step, not one per request: each call_soon_threadsafe
+            # wakes the loop (a syscall) and contends for the GIL with this thread
+            batches: dict[asyncio.AbstractEventLoop, list] = {}
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
+            for loop, items in batches.items():
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, error: Exception) -> None:
         """Abort every stream; each raises ``error`` if it is an ``EngineStopped``, else a
@@ -205,6 +210,11 @@ class AsyncEngine:
             self.engine.abort_request(rid)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
         self._streams.clear()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _resolve(fut: asyncio.Future, result) -> None:
