@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvos import SamplingParams
-from kvos.model.kv_quant import QMAX, dequantize, quantize
+from kvos.model.kv_quant import FP8_SCALE_CANDIDATES, QMAX, dequantize, quantize
 from tests.redis_server import RedisServer
 
 DTYPES = ("fp8_e4m3", "int8")
@@ -32,17 +32,77 @@ def test_round_trip_error_is_within_the_format_bound(kv_dtype):
     x = rows()
     q, scale = quantize(x.float(), kv_dtype)
     amax = x.abs().amax(-1)
-    assert torch.allclose(scale.double(), amax / QMAX[kv_dtype], rtol=1e-6, atol=0)
     nonzero = amax > 0
-    assert torch.equal(q.float().abs().amax(-1)[nonzero], torch.full_like(amax[nonzero], QMAX[kv_dtype]).float())
+    if kv_dtype == "int8":
+        assert torch.allclose(scale.double(), amax / QMAX[kv_dtype], rtol=1e-6, atol=0)
+        assert torch.equal(q.float().abs().amax(-1)[nonzero], torch.full_like(amax[nonzero], QMAX[kv_dtype]).float())
+    else:  # one of the searched scales (amax / 448) * (1 + j / 16), j < 16
+        m = scale.double()[nonzero] / (amax[nonzero] / QMAX[kv_dtype])
+        j = (m - 1) * FP8_SCALE_CANDIDATES
+        assert ((j - j.round()).abs() <= 1e-4).all() and (j.round() >= 0).all() and (j.round() <= 15).all()
+        assert (scale[~nonzero] == 0).all()
+        assert (q.float().abs() <= QMAX[kv_dtype]).all()
     err = (dequantize(q, scale, torch.float64) - x).abs()
     s = scale.double()[..., None]
     if kv_dtype == "int8":
         bound = s / 2
     else:  # 3 mantissa bits: half an ulp is 2**-4 of the value; subnormals below 2**-6 * scale
         bound = torch.maximum(x.abs() * 2.0**-4, s * 2.0**-10)
+        # The same in terms of the row's amax: the scale is at most 31/16 * amax / 448.
+        amax_bound = torch.maximum(x.abs() * 2.0**-4, amax[..., None] * (31 / 16) / QMAX[kv_dtype] * 2.0**-10)
+        assert (err <= amax_bound * (1 + 1e-5) + 1e-12).all(), (err - amax_bound).max()
     assert (err <= bound * (1 + 1e-5) + 1e-12).all(), (err - bound).max()
     assert torch.equal(dequantize(q[9, 2], scale[9, 2], torch.float64), x[9, 2])  # zeros stay zeros
+
+
+def reference_fp8_errors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute force, independent of ``quantize``: for each float32 row and each j < 16, the scale
+    ``(amax / 448) * (1 + j / 16)`` (float32) and the float64 squared error of the row quantized
+    with it (values ``x / scale`` clamped to 448, cast to e4m3, times the scale). ([..., 16] each.)"""
+    amax = x.abs().amax(-1)
+    scales, errors = [], []
+    for j in range(16):
+        s = (amax / 448.0) * torch.tensor(1.0 + j / 16.0, dtype=torch.float32)
+        y = (x / s.clamp_min(1e-30)[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        errors.append((y.double() * s.double()[..., None] - x.double()).pow(2).sum(-1))
+        scales.append(s)
+    return torch.stack(scales, -1), torch.stack(errors, -1)
+
+
+def test_fp8_scale_search_picks_the_least_squared_error():
+    """Random rows (normal, heavy-tailed, an outlier, zeros): quantize's scale is the brute-force
+    best of the 16 candidates (the first of equal ones), so its squared row error is <= the
+    plain ``amax / 448`` scale's, and smaller on average by a clear margin."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 400, 64, generator=g, dtype=torch.float64)
+    x[1] = x[1] ** 3  # heavy tails
+    x[2, :, 5] *= 40.0  # an outlier channel, as in real K
+    x *= torch.exp(2 * torch.randn(3, 400, 1, generator=g, dtype=torch.float64))
+    x[0, 7] = 0.0
+    x = x.float()
+    q, scale = quantize(x, "fp8_e4m3")
+    cand_scales, cand_err = reference_fp8_errors(x)
+    got_err = (q.double() * scale.double()[..., None] - x.double()).pow(2).sum(-1)
+    best_err, best_j = cand_err.min(-1)
+    assert torch.equal(scale, cand_scales.gather(-1, best_j[..., None]).squeeze(-1))
+    assert torch.allclose(got_err, best_err, rtol=1e-12, atol=0)
+    plain = cand_err[..., 0]
+    assert (got_err <= plain).all()
+    nonzero = x.abs().amax(-1) > 0
+    assert (best_j > 0).float()[nonzero].mean() > 0.5  # the search usually moves off amax / 448
+    assert (got_err[nonzero] / plain[nonzero]).mean() < 0.9, (got_err[nonzero] / plain[nonzero]).mean()
+    assert got_err[0, 7] == 0 and scale[0, 7] == 0 and (q[0, 7].float() == 0).all()
+
+
+def test_fp8_scale_search_ties_go_to_the_smallest_multiplier():
+    """Rows that m = 1 and m = 7/4 (j = 12) both quantize exactly (error 0: 448 * 2**k, with its
+    halves and eighths, is 256 * 2**k, ... times 7/4): the first, amax / 448. Zeros: scale 0."""
+    x = torch.tensor([[448.0, -224.0, 112.0, 0.0], [3.5, 0.0, -1.75, 0.4375], [0.0, 0.0, 0.0, 0.0]])
+    _, errors = reference_fp8_errors(x)
+    q, scale = quantize(x, "fp8_e4m3")
+    assert (errors[:2, 0] == 0).all() and (errors[:2, 12] == 0).all()
+    assert torch.equal(scale, x.abs().amax(-1) / 448.0)
+    assert torch.equal(dequantize(q, scale, torch.float32), x)
 
 
 def test_pool_bytes_match_the_planner_and_hold_more_tokens(make_llm):
@@ -80,9 +140,25 @@ def chat(llm, questions, sp=SP, system: str | None = None):
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_quantized_greedy_matches_the_model_dtype_on_easy_prompts(quant_llms, kv_dtype):
-    ref = chat(quant_llms["auto"], EASY)
+    """The first 8 greedy tokens equal the model dtype's, except that 8-bit KV may flip a near-tie
+    of the reference: at most two of the six prompts may diverge in their first 8 tokens, each only
+    where the reference's own top token led the 8-bit engine's token by under 0.2 nats. (SmolLM2's
+    first answer token to "What is the capital of France?" leads its runner-up by 0.08 nats and
+    token 5 of "Name three primary colors." by 0.04: fp8 with the write-time scale search picks
+    the runner-up at both.)"""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = quant_llms["auto"].chat([[{"role": "user", "content": q}] for q in EASY], sp, use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in outs]
     got = chat(quant_llms[kv_dtype], EASY)
-    assert [g[:8] for g in got] == [r[:8] for r in ref]
+    diverged = 0
+    for g, r, o in zip(got, ref, outs):
+        if g[:8] == r[:8]:
+            continue
+        diverged += 1
+        i = next(i for i, (a, b) in enumerate(zip(g, r)) if a != b)
+        lp = {t: getattr(v, "logprob", v) for t, v in o.outputs[0].logprobs[i].items()}
+        assert g[i] in lp and lp[r[i]] - lp[g[i]] < 0.2, (i, g[:8], r[:8], lp)
+    assert diverged <= 2, (got, ref)
     assert quant_llms[kv_dtype].engine.runner.kv_layers[0].k.dtype == {"fp8_e4m3": torch.float8_e4m3fn,
                                                                         "int8": torch.int8}[kv_dtype]
 

@@ -6,11 +6,12 @@ results agree to fp32 rounding for fp32 queries) and against a float64 torch ref
 dequantized keys and values.
 
 On CUDA everything runs compiled. Without a GPU the kernels run in Triton's interpreter on CPU
-tensors with small shapes, as in ``test_kernels.py``, with one gap: the interpreter's fp32 ->
-float8e4nv cast is wrong (its carry out of the mantissa does not reach an odd exponent, it flushes
-subnormals and rounds ties up, Triton 3.6), so ``write_kv`` into an fp8 cache is checked on CUDA
-only. The interpreter's fp8 -> fp32 / fp16 cast is exact, so the fp8 attention tests run on CPU,
-on caches quantized by torch.
+tensors with small shapes, as in ``test_kernels.py``. The interpreter's fp32 -> float8e4nv cast is
+wrong (its carry out of the mantissa does not reach an odd exponent, it flushes subnormals and
+rounds ties up, Triton 3.6), but ``write_kv`` never uses it: it rounds to e4m3 and encodes the
+bytes itself in exact fp32 arithmetic (for its scale search too), so its fp8 scales and bytes are
+checked equal to ``kv_quant.quantize``'s on CPU as on CUDA. The interpreter's fp8 -> fp32 / fp16
+cast is exact, so the fp8 attention tests run on CPU too.
 """
 from __future__ import annotations
 
@@ -49,21 +50,16 @@ KV_DTYPES = ["int8", "fp8_e4m3"]
 LOW_DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float16]
 NUM_KV_HEADS = 2
 cuda_only = pytest.mark.skipif(not CUDA, reason="big shapes: CUDA only")
-fp8_write_needs_cuda = pytest.mark.skipif(
-    not CUDA, reason="Triton's interpreter casts fp32 -> float8e4nv wrongly (carry into an odd "
-    "exponent lost, subnormals flushed, ties rounded up): fp8 writes are checked on CUDA only")
 
 
 def write_params() -> list:
-    """kv dtype x input dtype x block size x slot dtype; fp8 marked CUDA-only."""
+    """kv dtype x input dtype x block size x slot dtype."""
     params = []
     for kv_dtype in KV_DTYPES:
-        marks = [fp8_write_needs_cuda] if kv_dtype == "fp8_e4m3" else []
         for x_dtype in [torch.float32, *LOW_DTYPES]:
             for block_size, slot_dtype in ((16, torch.int32), (1, torch.int64)):
                 name = f"{kv_dtype}-{str(x_dtype)[6:]}-bs{block_size}-{str(slot_dtype)[6:]}"
-                params.append(pytest.param(kv_dtype, x_dtype, block_size, slot_dtype, marks=marks,
-                                           id=name))
+                params.append(pytest.param(kv_dtype, x_dtype, block_size, slot_dtype, id=name))
     return params
 
 
@@ -86,8 +82,9 @@ def random_rows(gen: torch.Generator, *shape: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kv_dtype,x_dtype,block_size,slot_dtype", write_params())
 def test_write_kv_quantizes_like_torch(kv_dtype, x_dtype, block_size, slot_dtype):
-    """Scales equal kv_quant.quantize's; int8 values equal (up to 1 at exact .5 ties), fp8 values
-    within the format's error bound. Caches and scales are strided views of page-major pools
+    """Scales equal kv_quant.quantize's; int8 values equal (up to 1 at exact .5 ties); fp8 (the
+    write-time scale search) scales and bytes exactly equal, rows whose candidates tie included,
+    and values within the format's error bound. Caches and scales are strided views of page-major pools
     ``[blocks, layers, 2, block_size, KVH(, D)]``; padding slots (-1) and every other slot keep
     their old bytes and scales."""
     gen = torch.Generator().manual_seed(block_size)
@@ -102,6 +99,9 @@ def test_write_kv_quantizes_like_torch(kv_dtype, x_dtype, block_size, slot_dtype
     kv_new = random_rows(gen, tokens, 2 * NUM_KV_HEADS, head_dim)
     kv_new[0, 0] = kv_new[0, 0].clamp(-100.0, 100.0)
     kv_new[0, 0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # int8 scale 1: exact .5 ties
+    kv_new[2, 1] = 0.0  # fp8: candidates m = 1 and 7/4 both exact, a tie (the first wins)
+    kv_new[2, 1, :3] = torch.tensor([56.0, -28.0, 14.0])
+    kv_new[3, 2, :3] = torch.tensor([3e-5, -2e-5, -0.0])  # fp8 subnormals and a negative zero
     kv_new = kv_new.to(DEVICE, x_dtype)
     k, v = kv_new[:, :NUM_KV_HEADS], kv_new[:, NUM_KV_HEADS:]
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
@@ -124,6 +124,8 @@ def test_write_kv_quantizes_like_torch(kv_dtype, x_dtype, block_size, slot_dtype
             diff = got_q.int() - want_q.int()
             assert ((diff == 0) | (ties & (diff.abs() == 1))).all()
         else:
+            assert torch.equal(got_scale, want_scale)
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
             xd = x.cpu().double()
             err = (kv_quant.dequantize(got_q, got_scale, torch.float64) - xd).abs()
             bound = torch.maximum(xd.abs() * 2.0 ** -4, got_scale.double().unsqueeze(-1) * 2.0 ** -10)
@@ -334,8 +336,7 @@ def test_quantized_with_half_precision_queries(kv_dtype, q_dtype):
     assert rel_err(out, ref) <= 1e-2
 
 
-@pytest.mark.parametrize("kv_dtype", [
-    "int8", pytest.param("fp8_e4m3", marks=fp8_write_needs_cuda)])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_write_then_attend(kv_dtype):
     """write_kv quantizes a prompt's K/V into the cache; prefill over it equals attention over
     ``kv_quant``'s dequantization of the same K/V."""

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvos.model.kv_quant import MIN_SCALE, QMAX, kv_dtype_of
+from kvos.model.kv_quant import FP8_SCALE_CANDIDATES, MIN_SCALE, QMAX, kv_dtype_of
 
 
 @triton.jit
@@ -29,6 +29,60 @@ def _quantize_row(x, scale_ptr, mask_row, QMAX: tl.constexpr, MIN_SCALE: tl.cons
     return y
 
 
+@triton.jit
+def _round_e4m3(y):
+    """``|y|`` (fp32, at most 448) rounded to the nearest float8 e4m3fn value, ties to even, as
+    torch's cast does (subnormals kept): (that value in fp32, its e4m3fn code without the sign
+    bit, int32). Exact fp32 arithmetic, so it is the same compiled and in Triton's interpreter
+    (whose fp32 -> float8e4nv cast is wrong)."""
+    a = tl.abs(y)
+    # The binade's biased fp32 exponent, at least 121 (2**-6, e4m3's smallest normal): the step
+    # between e4m3 values there is 2**(e - 130) (3 mantissa bits; 2**-9 for subnormals).
+    e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
+    step = ((e - 3) << 23).to(tl.float32, bitcast=True)
+    t = a * ((257 - e) << 23).to(tl.float32, bitcast=True)  # a / step, exact: t < 16
+    r = tl.floor(t)
+    frac = t - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = r + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)
+    # r in [8, 16] (normal; 16 carries into the next binade) or [0, 8] (subnormal): the code is
+    # (biased e4m3 exponent) * 8 + mantissa = (e - 121) * 8 + r in both cases.
+    return r * step, (e - 121) * 8 + r.to(tl.int32)
+
+
+@triton.jit
+def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATES: tl.constexpr):
+    """fp8 e4m3 as ``kvos.model.kv_quant.quantize``: of the scales ``(amax(|x|) / 448) * (1 + j /
+    CANDIDATES)``, j < CANDIDATES, keep the one whose dequantized row has the least squared error
+    (float64 sum; ties: the smallest j), store it at ``scale_ptr`` (where ``mask_row``) and return
+    the row's e4m3fn bytes (int32, sign in bit 7) for a uint8 view of the cache. x: the row in
+    fp32, zero where masked. Divisions are correctly rounded (``div_rn``) as torch's are on CPU,
+    and the rounding is exact (``_round_e4m3``), so scales and bytes match ``quantize`` bit for
+    bit; the error sums may differ from torch's in the last bits (another summation order), which
+    can only matter where two candidates' errors tie to within float64 rounding."""
+    base = tl.div_rn(tl.max(tl.abs(x), 0), 448.0)
+    xd = x.to(tl.float64)
+    for j in tl.static_range(CANDIDATES):
+        s = base * (1.0 + j / CANDIDATES)
+        y = tl.div_rn(x, tl.maximum(s, MIN_SCALE))
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        val, code = _round_e4m3(y)
+        negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too, as torch's cast
+        val = tl.where(negative, -val, val)
+        code = tl.where(negative, code + 128, code)
+        d = val.to(tl.float64) * s.to(tl.float64) - xd
+        err = tl.sum(d * d, 0)
+        if j == 0:
+            best_err, best_s, best_code = err, s, code
+        else:
+            better = err < best_err
+            best_err = tl.where(better, err, best_err)
+            best_s = tl.where(better, s, best_s)
+            best_code = tl.where(better, code, best_code)
+    tl.store(scale_ptr, best_s, mask=mask_row)
+    return best_code
+
+
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "k_scale_ptr", "v_scale_ptr"])
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
@@ -39,10 +93,11 @@ def _write_kv_kernel(
     stride_ksb, stride_kso, stride_ksh, stride_vsb, stride_vso, stride_vsh,
     head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-    QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND: tl.constexpr,
+    QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND: tl.constexpr, FP8_CANDIDATES: tl.constexpr,
 ):
     """One program copies one token's K and V row of one kv head. QUANT: quantizes each row
-    (``_quantize_row``) and stores its scale too; otherwise the scale arguments are never read."""
+    (``_quantize_row``; fp8 when FP8_CANDIDATES > 0: ``_quantize_row_fp8``, into uint8 views of the
+    caches) and stores its scale too; otherwise the scale arguments are never read."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -55,12 +110,14 @@ def _write_kv_kernel(
     if QUANT:
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask, other=0.0)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask, other=0.0)
-        k = _quantize_row(k.to(tl.float32),
-                          k_scale_ptr + block * stride_ksb + offset * stride_kso + h * stride_ksh,
-                          slot >= 0, QMAX, MIN_SCALE, ROUND)
-        v = _quantize_row(v.to(tl.float32),
-                          v_scale_ptr + block * stride_vsb + offset * stride_vso + h * stride_vsh,
-                          slot >= 0, QMAX, MIN_SCALE, ROUND)
+        k_scale_dst = k_scale_ptr + block * stride_ksb + offset * stride_kso + h * stride_ksh
+        v_scale_dst = v_scale_ptr + block * stride_vsb + offset * stride_vso + h * stride_vsh
+        if FP8_CANDIDATES > 0:
+            k = _quantize_row_fp8(k.to(tl.float32), k_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES)
+            v = _quantize_row_fp8(v.to(tl.float32), v_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES)
+        else:
+            k = _quantize_row(k.to(tl.float32), k_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
+            v = _quantize_row(v.to(tl.float32), v_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
     else:
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask)
@@ -83,9 +140,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k_scale, v_scale: a quantized cache (``kvos.model.kv_quant``), both or neither: float32
     ``[num_blocks, block_size, KVH]``, any strides, and k_cache, v_cache both float8_e4m3fn or
     both int8. Each (token, kv head) row of K and of V is then quantized as
-    ``kv_quant.quantize`` does (symmetric, one scale per row: ``scale = amax(|row|) / QMAX``,
-    values ``clamp(row / max(scale, MIN_SCALE), -QMAX, QMAX)``, int8 rounded half to even, fp8
-    rounded to nearest) and its scale stored at the row's ``[block, offset, head]``. A skipped
+    ``kv_quant.quantize`` does (symmetric, one scale per row, values ``clamp(row / max(scale,
+    MIN_SCALE), -QMAX, QMAX)``; int8: ``scale = amax(|row|) / 127``, values rounded half to even;
+    fp8: the least-squared-error scale of ``(amax(|row|) / 448) * (1 + j / 16)``, j < 16, values
+    rounded to nearest even, same scales and bytes) and its scale stored at the row's
+    ``[block, offset, head]``. A skipped
     row writes no scale either. Without scales the kernel compiles as before (a QUANT=False
     constexpr).
     """
@@ -106,11 +165,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         scale_args = (k_scale, v_scale, *k_scale.stride(), *v_scale.stride())
     if num_tokens == 0:
         return
+    fp8 = kv_dtype == "fp8_e4m3"
+    if fp8:  # the kernel encodes e4m3 bytes itself (exact under the interpreter too)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _write_kv_kernel[(num_tokens, num_kv_heads)](
         k, v, k_cache, v_cache, slot_mapping, *scale_args[:2],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *scale_args[2:],
         head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
         QUANT=kv_dtype is not None, QMAX=QMAX[kv_dtype] if kv_dtype else 0.0,
-        MIN_SCALE=MIN_SCALE, ROUND=kv_dtype == "int8",
+        MIN_SCALE=MIN_SCALE, ROUND=kv_dtype == "int8", FP8_CANDIDATES=FP8_SCALE_CANDIDATES if fp8 else 0,
     )
