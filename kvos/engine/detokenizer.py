@@ -15,6 +15,15 @@ class IncrementalDetokenizer:
     ``text`` before it (or after it with ``include_stop_str_in_output``); ``flush`` releases
     what is held at the end of a sequence not stopped by a string.
     Without a tokenizer (random-weight models) the text stays empty and no stop string matches.
+
+    Cost per token: two decodes of a few tokens, not of the whole output. The text so far
+    (``_full``) is the decode of ``token_ids[:_read]``; each update decodes the window from
+    ``_prefix`` (the previous read offset, so that a tokenizer that strips a leading space at the
+    start of a decode strips it from both windows alike) with and without the new tokens, and
+    appends the difference once it no longer ends in an incomplete character. Invariant: both
+    offsets sit on boundaries where the decode was complete, so the shorter window's text is a
+    prefix of the longer one's; for tokenizers whose decode is a concatenation (byte-level BPE,
+    SentencePiece without clean-up), ``_full`` equals the decode of the whole output.
     """
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
@@ -22,15 +31,29 @@ class IncrementalDetokenizer:
         self.params = params
         self.token_ids: list[int] = []
         self.text = ""
+        self._full = ""
+        self._prefix = 0
+        self._read = 0
         self._stop_max = max((len(s) for s in params.stop_strings), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _pending(self) -> str:
+        """The text the tokens after ``_read`` add (may end in an incomplete character)."""
+        ids = self.token_ids
+        return self._decode(ids[self._prefix:])[len(self._decode(ids[self._prefix:self._read])):]
 
     def update(self, token_ids: list[int]) -> str | None:
         self.token_ids = token_ids
         if self.tokenizer is None:
             return None
-        full = self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
-        if full.endswith("\ufffd"):
+        delta = self._pending()
+        if not delta or delta.endswith("\ufffd"):
             return None
+        self._full += delta
+        self._prefix, self._read = self._read, len(token_ids)
+        full = self._full
         prev_len = len(self.text)
         self.text = full
         if not self._stop_max:
@@ -60,4 +83,4 @@ class IncrementalDetokenizer:
         """At the end of a sequence not stopped by a string: keep an incomplete last character."""
         if self.tokenizer is None:
             return
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        self.text = self._full + self._pending()
