@@ -311,13 +311,14 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, prompts, params, rid, body.priority, _salt(request, body.cache_salt),
                                     bool(body.stream))
-        ids = _returns_token_ids(state, body)
+        with_ids = _returns_token_ids(state, body)
         if body.stream:
-            return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body), body.echo, ids))
+            return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body), body.echo,
+                                                    with_ids))
         outs = await _collect(state, request, streams)
         _observe(state, streams)
         return completion_body(rid, state.model_name, outs, params.n, state.logprobs, state.fingerprint,
-                               body.echo, ids)
+                               body.echo, with_ids)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -334,12 +335,12 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, [{"prompt_token_ids": ids}], params, rid, body.priority,
                                     _salt(request, body.cache_salt), bool(body.stream))
-        ids = _returns_token_ids(state, body)
+        with_ids = _returns_token_ids(state, body)
         if body.stream:
-            return _sse_response(_chat_chunks(state, rid, streams[0], _UsageMode(body), top_n, ids))
+            return _sse_response(_chat_chunks(state, rid, streams[0], _UsageMode(body), top_n, with_ids))
         outs = await _collect(state, request, streams)
         _observe(state, streams)
-        return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint, ids)
+        return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint, with_ids)
 
     app.include_router(v1)
     return app
