@@ -121,13 +121,13 @@ class HybridKVMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.active)
     @rule(i=st.integers(0, 100), more=st.lists(st.integers(0, 2), min_size=1, max_size=12))
     def append(self, i, more) -> None:
+        """New tokens arrive; a sequence whose allocation fails keeps them uncomputed and
+        retries them with its next append (tokens only grow, as in the engine)."""
         seq = self.active[i % len(self.active)]
         seq.all_token_ids.extend(more)
         start = seq.num_computed_tokens
-        if self._allocate(seq, len(more)):
+        if self._allocate(seq, seq.num_tokens - start):
             self._compute(seq, start, seq.num_tokens)
-        else:
-            del seq.all_token_ids[start:]
 
     @precondition(lambda self: self.active)
     @rule(i=st.integers(0, 100))

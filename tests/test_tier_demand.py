@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvos import SamplingParams
@@ -41,6 +41,9 @@ class ReferenceArena:
     st.tuples(st.just("demand"), st.dictionaries(st.sampled_from(KEYS),
                                                  st.tuples(st.integers(0, 3), st.integers(0, 3)))),
 ), min_size=10, max_size=80))
+@example(ops=[("put", KEYS[0]), ("put", KEYS[1]), ("put", KEYS[2]),
+              ("demand", {KEYS[0]: (2, 3), KEYS[4]: (0, 0), KEYS[1]: (2, 3)}),
+              ("put", KEYS[4]), ("lookup", KEYS[0]), ("put", KEYS[2])])  # a wanted key used, then set aside again
 def test_arena_evicts_like_the_reference_rule(ops):
     arena = SlotArena(8, capacity_bytes=3 * 64, chunk_bytes=DEFAULT_CHUNK_BYTES)  # three slots
     ref = ReferenceArena()

@@ -9,6 +9,11 @@ class CacheableSequence(Protocol):
 
     ``all_token_ids`` holds prompt then output tokens; the first ``num_computed_tokens`` of them
     have KV in the sequence's blocks (or will once the current step runs).
+
+    ``all_token_ids`` only grows while the KV manager knows the sequence (from its first
+    ``get_computed_blocks``/``allocate_slots`` to ``free``): the manager memoizes the hashes of
+    its full blocks, so a token changed or removed in between would register a block under
+    another content's hash.
     """
 
     request_id: str

@@ -59,8 +59,8 @@ class SlotArena:
         self._free: list[int] = []
         self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self.demand: Demand = {}
-        self._held: dict[BlockHash, int] = {}  # wanted keys taken off the LRU front, under _held_for
-        self._held_seq: list[BlockHash] = []  # in the order they left the front
+        self._held: dict[BlockHash, tuple[int, int]] = {}  # wanted key -> (slot, its latest seq), under _held_for
+        self._held_seq: list[BlockHash] = []  # in the order they left the front (a key may recur)
         self._held_heap: list[tuple[int, int, int, BlockHash]] = []  # (-rank, -depth, seq, key)
         self._held_for: Demand | None = None
 
@@ -89,10 +89,11 @@ class SlotArena:
         if slot is not None:
             self._lru.move_to_end(key)
             return slot
-        slot = self._held.pop(key, None)
-        if slot is not None:  # used now: back in LRU order, most recent
-            self._lru[key] = slot
-        return slot
+        held = self._held.pop(key, None)
+        if held is None:
+            return None
+        self._lru[key] = held[0]  # used now: back in LRU order, most recent (its heap entry is stale)
+        return held[0]
 
     def alloc(self) -> int | None:
         """A free slot (growing by a chunk if none is free), or None when every slot is bound."""
@@ -123,23 +124,24 @@ class SlotArena:
             want = demand.get(key)
             if want is None:
                 return key, slot
-            self._held[key] = slot
             self._held_seq.append(key)
+            self._held[key] = (slot, len(self._held_seq))
             heapq.heappush(self._held_heap, (-want[0], -want[1], len(self._held_seq), key))
             self._held_for = demand
         while self._held_heap:
-            key = heapq.heappop(self._held_heap)[3]
-            slot = self._held.pop(key, None)
-            if slot is not None:
-                return key, slot
+            _, _, seq, key = heapq.heappop(self._held_heap)
+            held = self._held.get(key)
+            if held is not None and held[1] == seq:  # else dropped, or used and set aside again since
+                del self._held[key]
+                return key, held[0]
         raise KeyError("no key is bound")
 
     def _release_held(self) -> None:
         """Put the set-aside keys back at the LRU front, in their old order."""
         for key in reversed(self._held_seq):
-            slot = self._held.pop(key, None)
-            if slot is not None:
-                self._lru[key] = slot
+            held = self._held.pop(key, None)
+            if held is not None:
+                self._lru[key] = held[0]
                 self._lru.move_to_end(key, last=False)
         self._held.clear()
         self._held_seq.clear()
@@ -150,6 +152,7 @@ class SlotArena:
         """Unbind ``key``; its slot goes back to the free list."""
         slot = self._lru.pop(key, None)
         if slot is None:
-            slot = self._held.pop(key, None)
+            held = self._held.pop(key, None)
+            slot = None if held is None else held[0]
         if slot is not None:
             self._free.append(slot)
