@@ -11,6 +11,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_ORDERS = ("latest", "least_progress")
 KV_LAYOUTS = ("unified", "equal_pages", "homogeneous")
 PREEMPTION_MODES = ("recompute", "swap")
+TIER_VERIFY = ("auto", "host", "device")
 TIERS = "tiers below the device"  # the CLI's argument group for these fields
 
 # Each field's metadata drives its ``kvos`` flag (kvos.cli.add_engine_args): "help", "choices", and where the
@@ -98,6 +99,10 @@ class EngineConfig:
         "group": TIERS,
         "help": "host memory for KV blocks that another engine computed and sent (the decode engines of "
                 "disaggregated prefill); 0: off"})
+    tier_verify: str = field(default="auto", metadata={
+        "group": TIERS, "choices": TIER_VERIFY,
+        "help": "where CPU-tier loads are checked: host (xxh3 on host threads before the copy), device (a digest "
+                "of the copied rows on the device, computed there at store time too), auto (device on a GPU)"})
     tier_lookahead: int = field(default=1024, metadata={
         "group": TIERS,
         "help": "waiting requests whose prefix blocks the CPU tier evicts last, farthest in the queue first "
@@ -139,7 +144,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name, allowed in (("eviction_policy", EVICTION_POLICIES), ("scheduling_policy", SCHEDULING_POLICIES),
-                              ("preemption_order", PREEMPTION_ORDERS)):
+                              ("preemption_order", PREEMPTION_ORDERS), ("tier_verify", TIER_VERIFY)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.tier_lookahead, int) or self.tier_lookahead < 0:

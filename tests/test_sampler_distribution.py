@@ -1,7 +1,8 @@
 """The sampler draws from the filtered softmax: chi-square goodness of fit against an independent
 float64 reference of temperature, top-k, top-p and min-p (fixed seeds; on the CPU, and on a GPU
-when there is one: `make test-gpu`), on the top-k path and the full-sort path; a seeded row's tokens do not depend on its
-batch."""
+when there is one: `make test-gpu`), on the top-k path, the full-sort path and the full-vocabulary
+path (top-p by a threshold: a sort on the CPU, the Triton kernel on CUDA), alone and in split
+batches; a seeded row's tokens do not depend on its batch."""
 from __future__ import annotations
 
 import math
@@ -57,9 +58,11 @@ def draw(logits: torch.Tensor, params: SamplingParams, n: int, rows: int = 2000,
     (200, SamplingParams(temperature=0.8, top_p=0.95, top_k=50), None),  # the top-k path
     (200, SamplingParams(temperature=1.3, top_k=20, min_p=0.05), None),
     (200, SamplingParams(temperature=1.5, top_k=8), SamplingParams(temperature=1.0, top_k=60)),  # mixed k
-    (3000, SamplingParams(temperature=0.7, top_p=0.9), None),  # no top-k: the full-sort path
+    (3000, SamplingParams(temperature=0.7, top_p=0.9), None),  # no top-k: the full-vocabulary path
+    (3000, SamplingParams(temperature=1.0, top_p=0.8, min_p=0.02), None),
     (3000, SamplingParams(temperature=4.0, top_k=1100), None),  # top_k above the candidates: sort
-    (200, SamplingParams(temperature=1.5, top_k=8), SamplingParams(temperature=1.0)),  # sort, mixed
+    (200, SamplingParams(temperature=1.5, top_k=8), SamplingParams(temperature=1.0)),  # split batch
+    (300, SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0, top_k=5)),  # split
     (200, SamplingParams(temperature=0.9), None),  # unfiltered
 ])
 @pytest.mark.parametrize("device", DEVICES)
@@ -88,7 +91,7 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     mine = [SamplingParams(temperature=0.8, top_k=40, seed=7), SamplingParams(temperature=0.8, top_p=0.9, seed=8),
             SamplingParams(temperature=1.0, seed=9)]
 
-    for i, sp in enumerate(mine):  # alone, with top-k rows (top-k path), with an unfiltered row (sort path)
+    for i, sp in enumerate(mine):  # alone, with a top-k row, an unfiltered row, a greedy and a top-p row
         alone = [t[0] for t in run_alone(logits[i], sp)]
         for others in ([SamplingParams(temperature=0.5, top_k=5)], [SamplingParams(temperature=0.5)],
                        [SamplingParams(temperature=0.0), SamplingParams(top_p=0.5)]):

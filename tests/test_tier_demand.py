@@ -104,3 +104,39 @@ def test_tier_lookahead_is_validated():
 
     with pytest.raises(ValueError, match="tier_lookahead"):
         EngineConfig(tier_lookahead=-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True), min_size=1, max_size=5),
+       wanted=st.dictionaries(st.integers(0, 11), st.tuples(st.integers(0, 3), st.integers(0, 3)), max_size=8),
+       digests=st.booleans())
+def test_write_through_from_the_device_stores_like_one_put_at_a_time(batches, wanted, digests):
+    """``TierIO.store_computed`` reserves slots for a whole batch before copying into them; the
+    tier must end up holding exactly what storing the blocks with one ``put`` each would leave
+    (the same evictions under the waiting queue's demand), with the same bytes."""
+    from kvos.cache.tiers import CPUTier, TierHierarchy
+    from kvos.engine.tier_io import TierIO, host_digest
+    from tests.test_tiers import kv_runner
+
+    runner = kv_runner(num_blocks=12)
+    bb = runner.block_bytes
+    slot = -(-(bb + 64) // 64) * 64
+
+    def tier() -> CPUTier:
+        t = CPUTier(4 * slot, digest_fn=host_digest if digests else None)  # four slots
+        t.set_demand({bytes([k]) * 16: v for k, v in wanted.items()})
+        return t
+
+    direct, one_by_one = tier(), tier()
+    tio = TierIO(TierHierarchy([direct]), runner, verify_threads=1)
+    rows = runner.read_blocks(list(range(12)))
+    for batch in batches:
+        keys = [bytes([b]) * 16 for b in batch]
+        tio.store_computed(keys, batch, None)
+        for k, b in zip(keys, batch):
+            one_by_one.put(k, rows[b].numpy().data, host_digest(rows[b].numpy().data))
+    tio.close()
+    held = [bytes([b]) * 16 for b in range(12) if one_by_one.contains(bytes([b]) * 16)]
+    assert [k for k in (bytes([b]) * 16 for b in range(12)) if direct.contains(k)] == held
+    for k in held:
+        assert bytes(direct.get(k)) == bytes(one_by_one.get(k))

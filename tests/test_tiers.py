@@ -43,10 +43,11 @@ def reference(make_llm):
     return [o.outputs[0].token_ids for o in chat_turns(make_llm(enable_prefix_caching=False), evict=False)]
 
 
-@pytest.mark.parametrize("tier", ["cpu", "disk", "remote"])
+@pytest.mark.parametrize("tier", ["cpu", "cpu-device-verify", "disk", "remote"])
 def test_later_turns_hit_in_each_tier_with_identical_output(tier, make_llm, reference, tmp_path, redis_server):
-    kw = {"cpu": dict(cpu_cache_gb=1.0), "disk": dict(disk_cache_dir=str(tmp_path)),
-          "remote": dict(remote_cache=redis_server.url)}[tier]
+    kw = {"cpu": dict(cpu_cache_gb=1.0), "cpu-device-verify": dict(cpu_cache_gb=1.0, tier_verify="device"),
+          "disk": dict(disk_cache_dir=str(tmp_path)), "remote": dict(remote_cache=redis_server.url)}[tier]
+    tier = tier.removesuffix("-device-verify")
     llm = make_llm(num_blocks=24, **kw)
     outs = chat_turns(llm, evict=True)
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -65,8 +66,10 @@ def test_later_turns_hit_in_each_tier_with_identical_output(tier, make_llm, refe
     assert f'kvos:tier_hit_blocks_total{{tier="{tier}"}}' in text and "kvos:tier_hit_tokens_total" in text
 
 
-def test_write_back_demotes_through_the_tiers(make_llm, reference, tmp_path):
-    llm = make_llm(num_blocks=24, cpu_cache_gb=0.01, disk_cache_dir=str(tmp_path), write_policy="write_back")
+@pytest.mark.parametrize("verify", ["host", "device"])
+def test_write_back_demotes_through_the_tiers(verify, make_llm, reference, tmp_path):
+    llm = make_llm(num_blocks=24, cpu_cache_gb=0.01, disk_cache_dir=str(tmp_path), write_policy="write_back",
+                   tier_verify=verify)
     outs = chat_turns(llm, evict=True)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = {t["name"]: t for t in llm.stats()["tiers"]}
@@ -89,6 +92,23 @@ def test_corrupt_disk_block_is_detected_and_recomputed(make_llm, reference, tmp_
     assert [o.outputs[0].token_ids for o in outs] == reference
     disk = next(t for t in llm.stats()["tiers"] if t["name"] == "disk")
     assert disk["checksum_failures"] > 0
+
+
+def test_corrupt_cpu_block_checked_on_the_device_is_recomputed(make_llm, reference):
+    """Digest frames (``tier_verify="device"``): a CPU-tier block whose bytes changed after the
+    store is copied, fails its digest, is dropped and recomputed; the outputs do not change."""
+    llm = make_llm(num_blocks=24, cpu_cache_gb=1.0, tier_verify="device")
+    chat_turns(llm, evict=True)
+    cpu = next(t for t in llm.engine.offload.h.tiers if t.name == "cpu")
+    assert cpu.digests
+    keys = list(cpu.arena._lru)
+    for key in keys:
+        cpu.corrupt(key)
+    flood(llm)
+    outs = chat_turns(llm, evict=True)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    stats = next(t for t in llm.stats()["tiers"] if t["name"] == "cpu")
+    assert stats["checksum_failures"] > 0
 
 
 def test_disk_hits_survive_an_engine_restart(make_llm, reference, tmp_path):
@@ -212,21 +232,27 @@ def kv_runner(num_blocks: int = 10):
     return runner
 
 
-def test_batched_load_copies_before_promotions_evict_slots(tmp_path):
+@pytest.mark.parametrize("digests", [False, True], ids=["host-verify", "device-verify"])
+def test_batched_load_copies_before_promotions_evict_slots(digests, tmp_path):
     """One fetch takes its first blocks from CPU slots and the rest from disk, verified on three
     threads; promoting the disk hits evicts those very slots, which must happen only after
-    their bytes were copied out (and every find has ended)."""
+    their bytes were copied out (and every find has ended). With digest frames the CPU blocks
+    are checked after their copy, and promoted disk blocks get their digests from the copy."""
     import torch
 
-    from kvos.engine.tier_io import TierIO
+    from kvos.engine.tier_io import TierIO, host_digest
 
     runner = kv_runner()
     bb = runner.block_bytes
-    cpu, disk = CPUTier(2 * (bb + 128)), DiskTier(tmp_path, 1 << 20)
+    cpu = CPUTier(2 * (bb + 128), digest_fn=host_digest if digests else None)
+    disk = DiskTier(tmp_path, 1 << 20)
     tio = TierIO(TierHierarchy([cpu, disk]), runner, verify_threads=3)
+    assert tio.digests == digests
     keys = [bytes([i]) * 16 for i in range(1, 5)]
     # stored in the order 3, 4, 1, 2: the CPU tier keeps the last two, blocks 1 and 2
-    tio.store([keys[2], keys[3], keys[0], keys[1]], runner.read_blocks([3, 4, 1, 2]), evicted=False)
+    d: list[int] = []
+    rows = runner.read_blocks([3, 4, 1, 2], d)
+    tio.store([keys[2], keys[3], keys[0], keys[1]], rows, evicted=False, digests=d if digests else None)
     assert [cpu.contains(k) for k in keys] == [True, True, False, False]
     expected = runner.group_caches[0][1:5].clone()
     loaded = tio.fetch(keys)
@@ -234,8 +260,13 @@ def test_batched_load_copies_before_promotions_evict_slots(tmp_path):
     assert [cpu.contains(k) for k in keys] == [False, False, True, True]  # promoted afterwards
     tio.install(loaded, [6, 7, 8, 9])
     assert torch.equal(runner.group_caches[0][6:10], expected)
-    cpu.corrupt(keys[2])  # a bad CPU copy falls through to the disk copy
-    assert tio.fetch(keys[2:3]).sources == ["disk"] and cpu.stats.checksum_failures == 1
+    cpu.corrupt(keys[2])  # a bad CPU copy falls through to the disk copy (checked on the host)
+    if digests:  # or is dropped after its copy (checked there): the load stops before it
+        assert tio.fetch(keys[2:3]).sources == [] and not cpu.contains(keys[2])
+        assert tio.fetch(keys[2:3]).sources == ["disk"]
+    else:
+        assert tio.fetch(keys[2:3]).sources == ["disk"]
+    assert cpu.stats.checksum_failures == 1
     partial = tio.fetch([keys[2], b"?" * 16, keys[3]])  # stops at the first miss
     assert partial.sources == ["cpu"] and partial.rows.shape == (1, bb)
     empty = TierIO(TierHierarchy([CPUTier(1 << 20)]), runner)
@@ -297,3 +328,19 @@ def test_hash_root_is_the_model_content_not_its_name(llm, tmp_path):
     assert root[a] == root[src] and root[b] != root[a]
     assert llm.engine.kv.model_id == model_fingerprint(src, "float32")
     assert model_fingerprint(src, "float32") != model_fingerprint(src, "bfloat16")  # the KV dtype too
+
+
+def test_cpu_tier_preallocates_every_slot_once_sized():
+    """On a GPU the engine pins the whole tier at start: the slot size fixed, every slot there,
+    none bound; later puts reuse them (no growth) and a payload of another size is skipped."""
+    tier = CPUTier(10 * 4096)
+    reserved = tier.preallocate(1000)
+    arena = tier.arena
+    assert reserved == arena.capacity_slots * arena.stride and len(arena.chunks) >= 1
+    assert tier.free_slots() == arena.capacity_slots and tier.used_bytes() == 0
+    assert tier.preallocate(1000) == reserved  # sized already: nothing more
+    for i in range(arena.capacity_slots + 2):
+        assert tier.put(bytes([i]) * 16, bytes(1000))
+    assert arena.reserved_bytes == reserved and tier.stats.evictions == 2
+    assert not tier.put(b"x" * 16, bytes(999)) and tier.stats.skipped_writes == 1
+    assert CPUTier(100).preallocate(1000) == 0  # not one slot fits

@@ -60,7 +60,10 @@ def run_kvos(llm, reqs, cost, ceilings: dict) -> dict:
     llm.engine.schedule_hook = None
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(n for _, n in reqs)
+    tiers = {t["name"]: {k: t[k] for k in ("hits_blocks", "stores_blocks", "skipped_writes", "evictions")}
+             for t in llm.stats().get("tiers", [])}
     return {"seconds": dt, "requests": len(reqs), "output_tokens": out_tokens, "output_tok_s": out_tokens / dt,
+            **({"tiers_cumulative": tiers} if tiers else {}),
             "req_s": len(reqs) / dt, "steps": recorder.steps, "ideal_seconds": recorder.ideal_seconds,
             "fraction_of_ideal": recorder.ideal_seconds / dt, "steps_by_kind": recorder.by_kind,
             "triton_compiles": compiles.as_dict()}
@@ -200,8 +203,9 @@ def run(a: argparse.Namespace) -> dict:
         row = result["workloads"][name]
         # warm-up at the workload's shapes (its first batch, 4 tokens each): one-time costs such
         # as new pinned-memory and device-memory blocks stay out of the timed run
-        warm = reqs[: kw["max_num_seqs"]]
-        llm.generate([{"prompt_token_ids": p} for p, _ in warm],
+        # (other token ids: a tier below the device must not serve the timed run's prompts)
+        warm = [[3 + t % (vocab - 3) for t in p] for p, _ in reqs[: kw["max_num_seqs"]]]
+        llm.generate([{"prompt_token_ids": p} for p in warm],
                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         row["kvos"] = run_kvos(llm, reqs, cost, ceilings)
         if "transformers" in row:

@@ -1,6 +1,7 @@
 """``kvos bench tier-bandwidth``: how fast blocks loaded from a CPU tier land in device blocks,
 through the engine's own load path, as a fraction of a plain pinned host-to-device copy on the
-same machine; also the host's checksum-verification rate, which bounds that path."""
+same machine; how fast write-through stores them (the first store, then warm ones); and the
+host's checksum rate, which bounds loads verified on the host."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed loads (after one warm-up)")
     p.add_argument("--verify-threads", type=int, default=None,
                    help="checksum threads of a load (default: the engine's, min(8, cores / 2))")
+    p.add_argument("--verify", choices=["auto", "host", "device"], default="auto",
+                   help="where loads are checked (the engine's tier_verify; auto: device on a GPU)")
     p.add_argument("--output", default="benchmarks/results/tier-bandwidth.json")
 
 
@@ -27,14 +30,15 @@ def run(a: argparse.Namespace) -> dict:
     import torch
 
     from kvos.bench.machine import machine_info
-    from kvos.cache.tiers import CPUTier, TierHierarchy
+    from kvos.cache.tiers import CPUTier, TierHierarchy, allocate_bytearray
     from kvos.cache.tiers.codec import checksum
     from kvos.engine.pinned import PinnedAllocator
-    from kvos.engine.tier_io import TierIO
+    from kvos.engine.tier_io import TierIO, host_digest
     from kvos.model.runner import ModelRunner
 
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
+    device_verify = a.verify == "device" or (a.verify == "auto" and cuda)
     runner = ModelRunner.__new__(ModelRunner)  # only the KV tensor and its block copies are needed
     runner.device, runner.dtype = dev, torch.bfloat16
     kv = torch.zeros(a.blocks + 1, a.layers, 2, a.block_size, a.kv_heads, a.head_dim, dtype=torch.bfloat16,
@@ -43,10 +47,10 @@ def run(a: argparse.Namespace) -> dict:
     runner.group_pages = [kv.view(a.blocks + 1, -1).view(torch.uint8)]
     expected = kv[1:].clone()
     bb = runner.block_bytes
-    tier = CPUTier(2 * bb * (a.blocks + 8), PinnedAllocator()) if cuda else CPUTier(2 * bb * (a.blocks + 8))
+    tier = CPUTier(2 * (bb + 128) * (a.blocks + 8), PinnedAllocator() if cuda else allocate_bytearray,
+                   digest_fn=host_digest if device_verify else None)
     tier_io = TierIO(TierHierarchy([tier]), runner, a.verify_threads)
     ids = list(range(1, a.blocks + 1))
-    keys = [b.to_bytes(16, "little") for b in ids]
     total = bb * a.blocks
 
     def sync() -> None:
@@ -54,13 +58,21 @@ def run(a: argparse.Namespace) -> dict:
             torch.cuda.synchronize(dev)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-tier-io") as io:
-        # store path, as write-through runs it: one gather + device-to-host copy, puts on the I/O thread
-        sync()
-        t0 = time.perf_counter()
-        rows = runner.read_blocks(ids)
-        io.submit(tier_io.store, keys, rows, False).result()
-        store_s = time.perf_counter() - t0
-        del rows
+        # store path, as write-through runs it (``TierIO.store_computed`` on the I/O thread):
+        # device-to-host copies straight into CPU-tier slots, digests computed on the device;
+        # timed until the blocks are stored. Each round stores new keys (a warm round evicts
+        # older ones, as a full tier does)
+        stores = []
+        for r in range(a.repeats + 1):
+            keys = [(r << 32 | b).to_bytes(16, "little") for b in ids]
+            sync()
+            t0 = time.perf_counter()
+            after = None
+            if cuda:
+                after = torch.cuda.Event()
+                after.record()
+            io.submit(tier_io.store_computed, keys, ids, after).result()
+            stores.append(time.perf_counter() - t0)
         kv[1:].zero_()
         # load path, as a LOADING request runs it: fetch on the I/O thread, install on this one
         times = []
@@ -74,15 +86,18 @@ def run(a: argparse.Namespace) -> dict:
             assert loaded.sources == ["cpu"] * a.blocks
     tier_io.close()
     load_s = sum(times[1:]) / a.repeats
+    warm_store_s = sum(stores[1:]) / a.repeats
     views = [tier.get(k) for k in keys]
     t0 = time.perf_counter()  # one thread
     for v in views:
         checksum(v)
     checksum_s = time.perf_counter() - t0
     result = {"machine": machine_info(), "device": str(dev), "block_bytes": bb, "blocks": a.blocks,
-              "pinned_tier": bool(cuda), "verify_threads": tier_io.verify_threads,
+              "pinned_tier": bool(cuda), "verify": "device" if device_verify else "host",
+              "verify_threads": tier_io.verify_threads,
               "tier_load_GBps": total / load_s / 1e9,
-              "tier_load_ms": load_s * 1e3, "store_GBps": total / store_s / 1e9,
+              "tier_load_ms": load_s * 1e3, "store_cold_GBps": total / stores[0] / 1e9,
+              "store_warm_GBps": total / warm_store_s / 1e9,
               "checksum_GBps": total / checksum_s / 1e9,
               "verified": bool(torch.equal(kv[1:], expected))}
     if cuda:
@@ -96,6 +111,13 @@ def run(a: argparse.Namespace) -> dict:
         sync()
         result["pinned_h2d_GBps"] = 5 * total / (time.perf_counter() - t0) / 1e9
         result["fraction_of_pinned_h2d"] = result["tier_load_GBps"] / result["pinned_h2d_GBps"]
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            host.copy_(dst, non_blocking=True)
+        sync()
+        result["pinned_d2h_GBps"] = 5 * total / (time.perf_counter() - t0) / 1e9
+        result["store_warm_fraction_of_pinned_d2h"] = result["store_warm_GBps"] / result["pinned_d2h_GBps"]
     result["summary"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
                          if isinstance(v, (float, bool)) or k == "verify_threads"}
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)

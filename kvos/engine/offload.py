@@ -4,24 +4,28 @@ from __future__ import annotations
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import torch
+
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool
-from kvos.cache.tiers import CPUTier, DiskTier, RedisTier, TierHierarchy, TransferTier
+from kvos.cache.tiers import CPUTier, DiskTier, RedisTier, TierHierarchy, TransferTier, allocate_bytearray
 from kvos.cache.tiers.codec import sealed_codec_from_file
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.scheduler import PrefixLoad, Scheduler
-from kvos.engine.tier_io import LoadedBlocks, TierIO
+from kvos.engine.tier_io import LoadedBlocks, TierIO, host_digest
 
 GIB = 1 << 30
 
 
 def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_gb: float,
                     remote_cache: str | None, write_policy: str, pinned: bool = False,
-                    encryption_key_file: str | None = None, transfer_gb: float = 0.0) -> TierHierarchy | None:
+                    encryption_key_file: str | None = None, transfer_gb: float = 0.0,
+                    device_verify: bool = False) -> TierHierarchy | None:
     """The configured tiers; ``pinned``: the CPU tier's slots are page-locked memory (the engine
-    runs on a GPU); ``encryption_key_file`` (``EngineConfig.tier_encryption_key_file``): the disk
-    and Redis tiers seal their blocks with AES-256-GCM under that key (the CPU tier, process
-    memory, keeps plain keyed-checksum frames)."""
+    runs on a GPU); ``device_verify``: the CPU tier keeps digest frames, checked on the device
+    after a load's copy (``TierIO``); ``encryption_key_file``
+    (``EngineConfig.tier_encryption_key_file``): the disk and Redis tiers seal their blocks with
+    AES-256-GCM under that key (the CPU tier, process memory, keeps keyed-checksum frames)."""
     tiers: list = []
     if cpu_cache_gb < 0 or disk_cache_gb <= 0 or transfer_gb < 0:
         raise ValueError("cpu_cache_gb and kv_transfer_gb must be >= 0 and disk_cache_gb > 0")
@@ -31,9 +35,10 @@ def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_
         if pinned:
             from kvos.engine.pinned import PinnedAllocator
 
-            tiers.append(CPUTier(int(cpu_cache_gb * GIB), PinnedAllocator()))
+            allocate = PinnedAllocator()
         else:
-            tiers.append(CPUTier(int(cpu_cache_gb * GIB)))
+            allocate = allocate_bytearray
+        tiers.append(CPUTier(int(cpu_cache_gb * GIB), allocate, digest_fn=host_digest if device_verify else None))
     codec = sealed_codec_from_file(encryption_key_file if disk_cache_dir or remote_cache else None)
     if disk_cache_dir:
         tiers.append(DiskTier(disk_cache_dir, int(disk_cache_gb * GIB), codec))
@@ -109,8 +114,12 @@ class OffloadManager:
         self.pool = pool
         self.scheduler = scheduler
         self.tier_io = TierIO(hierarchy, runner)
+        if self.cpu is not None and runner.device.type == "cuda":  # pin every slot now, not mid-run
+            self.cpu.preallocate(runner.block_bytes)
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-tier-io")
         self.pending: list[tuple[PrefixLoad, Future[LoadedBlocks]]] = []
+        self.storing: list[tuple[Future[None], list[KVBlock]]] = []
+        """Write-through batches in flight, oldest first, with the blocks each holds."""
         self.lookups: dict[str, _Lookup] = {}
         """Per waiting request id: its latest lookup (answered or not). Entries of requests no
         longer waiting are dropped at the start of each step (``install_ready``)."""
@@ -122,9 +131,42 @@ class OffloadManager:
         else:
             pool.on_evict = self._on_evict
 
+    MAX_STORE_BACKLOG = 2
+    """Write-through batches in flight at most: with that many in flight, a step's batch waits
+    for the oldest (a tier slower than the engine slows it rather than losing blocks or
+    holding device blocks without bound)."""
+
     def _store(self, blocks: list[KVBlock], evicted: bool) -> None:
-        rows = self.runner.read_blocks([b.block_id for b in blocks])
-        self.io.submit(self.tier_io.store, [b.block_hash for b in blocks], rows, evicted)
+        """Write-back (``evicted``, inside the pool's eviction callback): read now, the block is
+        about to be rewritten. Write-through: handed to the I/O thread (``store_computed``) with
+        a reference held on each block until it is done, so the engine thread never waits."""
+        ids, hashes = [b.block_id for b in blocks], [b.block_hash for b in blocks]
+        if evicted:
+            digests: list[int] | None = [] if self.tier_io.digests else None
+            rows = self.runner.read_blocks(ids, digests)
+            self.io.submit(self.tier_io.store, hashes, rows, evicted, digests)
+            return
+        self.release_stored()
+        while len(self.storing) >= self.MAX_STORE_BACKLOG:
+            self.storing[0][0].exception()  # waits
+            self.release_stored()
+        after = None
+        if self.runner.device.type == "cuda":
+            after = torch.cuda.Event()
+            after.record()
+        self.pool.touch(blocks)
+        self.storing.append((self.io.submit(self.tier_io.store_computed, hashes, ids, after), blocks))
+
+    def release_stored(self, wait: bool = False) -> None:
+        """Engine thread: drop the references of write-through batches that are done (with
+        ``wait``: of all, waiting for them). A failed batch only loses its stores."""
+        while self.storing and (wait or self.storing[0][0].done()):
+            fut, blocks = self.storing.pop(0)
+            try:
+                fut.result()
+            except Exception:  # the tier I/O failed: nothing was stored, the engine goes on
+                pass
+            self.pool.free_blocks(reversed(blocks))
 
     def _on_evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
@@ -155,13 +197,15 @@ class OffloadManager:
 
     def after_step(self) -> None:
         """Publish the waiting queue's demand, then (write-through) back up every block
-        registered this step."""
+        registered this step; give back the blocks of finished reads (all of them, waiting,
+        once no request is left, so an idle engine holds no block)."""
         self.publish_demand()
         if self.pool.newly_cached:
             blocks = [b for b in self.pool.newly_cached if b.block_hash is not None]
             self.pool.newly_cached.clear()
             if blocks:
                 self._store(blocks, False)
+        self.release_stored(wait=not self.scheduler.has_unfinished())
 
     def lookup(self, request: Request, hashes: list[BlockHash]) -> int | None:
         """Engine thread, never blocks: how many leading ``hashes`` (``request``'s block hashes

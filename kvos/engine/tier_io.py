@@ -2,7 +2,9 @@
 copy on a side CUDA stream."""
 from __future__ import annotations
 
+import itertools
 import os
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ import torch
 
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers import TierHierarchy
+from kvos.engine.block_digest import block_digests, page_digests
 
 
 @dataclass
@@ -28,9 +31,16 @@ class LoadedBlocks:
 def _as_tensor(data: bytes | memoryview) -> torch.Tensor:
     """A uint8 tensor aliasing ``data`` (no copy). Read-only buffers (bytes from the disk or
     Redis tier) are only ever read through it."""
+    if isinstance(data, memoryview) and not data.readonly:  # a CPU-tier slot
+        return torch.frombuffer(data, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
         return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def host_digest(data: bytes | memoryview) -> int:
+    """``block_digests`` of one payload on the host (the slow path of a ``DigestCodec``)."""
+    return int(block_digests(_as_tensor(data).view(1, -1))[0])
 
 
 class TierIO:
@@ -45,7 +55,12 @@ class TierIO:
     when it fails midway), and only then promotes lower-tier hits (puts, which may evict and
     rewrite slots) and returns, letting the next store run. The finds run on ``verify_threads``
     helper threads (checksums dominate a load, and xxh3 releases the GIL); they only read tiers,
-    and only while ``fetch`` waits for them.
+    and only while ``fetch`` waits for them. A CPU tier with digest frames (``CPUTier.digests``,
+    the engine's choice on a GPU) is not hashed on the host at all: its blocks are copied first,
+    then ``block_digests`` of the copied rows runs on the device, and the load keeps only the
+    blocks before the first that differs from its frame's digest (``Tier.reject`` drops that
+    one), all before ``fetch`` returns, so no step ever reads an unverified block. Stores into
+    it take the digests that ``ModelRunner.read_blocks`` computed on the device.
 
     On a GPU each block's host-to-device copy is issued on a dedicated copy stream as soon as
     its checksum is verified (verifying later blocks overlaps the DMA of this one), into one
@@ -65,31 +80,99 @@ class TierIO:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.verify_threads = verify_threads or min(8, max(1, (os.cpu_count() or 1) // 2))
         self.verifiers = ThreadPoolExecutor(self.verify_threads, thread_name_prefix="kvos-tier-verify")
+        self.digests = any(getattr(t, "digests", False) for t in hierarchy.tiers)
+        """Some tier keeps digest frames: stores pass digests and loads digest their rows."""
+        first = next((t for t in hierarchy.tiers if t.receives_stores), None)
+        self.slots = first if hasattr(first, "reserve") else None
+        """The CPU tier when it is the first tier stores reach: write-through copies blocks from
+        the device straight into its slots (``store_computed``)."""
 
-    def store(self, hashes: list[BlockHash], rows: torch.Tensor, evicted: bool) -> None:
-        """I/O thread: store host ``rows`` (from ``read_blocks``) under ``hashes``; the caller's
-        reference keeps ``rows`` alive until this returns."""
+    def store_computed(self, hashes: list[BlockHash], block_ids: list[int],
+                       after: torch.cuda.Event | None) -> None:
+        """I/O thread: write-through of blocks a step just computed, read from the device pages
+        on the copy stream once ``after`` (recorded on the compute stream after that step) has
+        passed. Into the CPU tier's slots directly (reserved, filled by one device-to-host copy
+        each, framed once the copies are complete, with digests computed on the device), then
+        from those slots into the lower tiers; without a CPU tier, through host rows.
+
+        Safety: the caller holds a reference on every block until this returns, so no later step
+        rewrites them (a cached block is immutable while referenced)."""
+        pages = self.runner.block_pages()
+        with torch.cuda.stream(self.stream):  # a no-op without a stream (CPU)
+            if after is not None and self.stream is not None:
+                self.stream.wait_event(after)
+            if self.slots is None:
+                self.store(hashes, self.runner.read_blocks(block_ids), False)
+                return
+            digests = page_digests(pages, block_ids) if self.slots.digests else None
+            host_digests = None
+            lower = [t for t in self.h.tiers if t.receives_stores and t is not self.slots]
+            todo = list(range(len(block_ids)))
+            while todo:  # one round, unless the tier is full of blocks waiting requests want
+                reserved: list[tuple[int, BlockHash, int, memoryview]] = []
+                try:
+                    rest = []
+                    for n, i in enumerate(todo):
+                        got = self.slots.reserve(hashes[i], pages.shape[1], evict_wanted=not reserved)
+                        if got is False:  # as a put would: this round's blocks go first
+                            rest = todo[n:]
+                            break
+                        if got is not None:
+                            _as_tensor(got[1]).copy_(pages[block_ids[i]], non_blocking=True)
+                            reserved.append((i, hashes[i], *got))
+                    if host_digests is None and digests is not None:
+                        host_digests = digests.tolist()
+                    if self.stream is not None:
+                        self.stream.synchronize()
+                except BaseException:
+                    for _, _, slot, _ in reserved:
+                        self.slots.release(slot)
+                    raise
+                for i, key, slot, payload in reserved:
+                    self.slots.commit(key, slot, host_digests[i] if host_digests is not None else None)
+                for i, key, _, payload in reserved:  # a payload view is valid until the next put into the tier
+                    for tier in lower:
+                        t0 = time.perf_counter()
+                        tier.put(key, payload, host_digests[i] if host_digests is not None else None)
+                        tier.stats.store_seconds += time.perf_counter() - t0
+                todo = rest
+
+    def store(self, hashes: list[BlockHash], rows: torch.Tensor, evicted: bool,
+              digests: list[int] | None = None) -> None:
+        """I/O thread: store host ``rows`` (from ``read_blocks``, with its ``digests`` when
+        ``self.digests``) under ``hashes``; the caller's reference keeps ``rows`` alive until
+        this returns."""
         table = rows.numpy()
         for i, key in enumerate(hashes):
-            self.h.store(key, table[i].data, evicted)
+            self.h.store(key, table[i].data, evicted, None if digests is None else digests[i])
 
     def fetch(self, hashes: list[BlockHash]) -> LoadedBlocks:
         """I/O thread: the leading ``hashes`` some tier holds, verified and staged on the device
         (stops at the first miss or failed checksum); returns once the copies are complete."""
         bb = self.runner.block_bytes
-        found: list[tuple[BlockHash, bytes | memoryview, int]] = []
+        found: list[tuple[BlockHash, bytes | memoryview, int, int | None]] = []
         ready = None
-        finds = [self.verifiers.submit(self.h.find, key) for key in hashes]
+        digests: list[int] = []
+        lead: list[tuple[bytes | memoryview, int, int | None]] = []
+        first = self.h.tiers[0] if self.h.tiers else None
+        if getattr(first, "digests", False):  # nothing to hash: its leading hits are found here
+            for key in hashes:
+                got = first.get_for_load(key) if first.contains(key) else None
+                if got is None:
+                    break
+                lead.append((got[0], 0, got[1]))
+        finds = [self.verifiers.submit(self.h.find, key) for key in hashes[len(lead):]]
         with torch.cuda.stream(self.stream):  # a no-op without a stream (CPU)
             try:
                 rows = torch.empty(len(hashes), bb, dtype=torch.uint8, device=self.device)
-                for key, fut in zip(hashes, finds):
-                    got = fut.result()
+                for key, got in zip(hashes, itertools.chain(lead, (f.result() for f in finds))):
                     if got is None or len(got[0]) != bb:
                         break
                     # a CPU-tier payload aliases a pinned slot: asynchronous DMA, no staging
                     rows[len(found)].copy_(_as_tensor(got[0]), non_blocking=True)
                     found.append((key, *got))
+                if self.digests and found:  # queued behind the copies, on the same stream
+                    digests = block_digests(rows[: len(found)]).cpu().tolist()
             finally:  # no slot may be rewritten while a find or a copy still reads it
                 for fut in finds:
                     fut.cancel()
@@ -98,9 +181,14 @@ class TierIO:
                     ready = torch.cuda.Event()
                     ready.record(self.stream)
                     ready.synchronize()
-        for key, data, tier in found:
-            self.h.promote(key, data, tier)
-        return LoadedBlocks([self.h.tiers[t].name for _, _, t in found], rows[: len(found)], ready)
+        for i, (key, data, tier, expect) in enumerate(found):
+            if expect is not None and expect != digests[i]:
+                self.h.tiers[tier].reject(key, len(data))
+                del found[i:]
+                break
+        for i, (key, data, tier, _) in enumerate(found):
+            self.h.promote(key, data, tier, digests[i] if digests else None)
+        return LoadedBlocks([self.h.tiers[t].name for _, _, t, _ in found], rows[: len(found)], ready)
 
     def install(self, loaded: LoadedBlocks, block_ids: list[int]) -> None:
         """Engine thread: scatter ``loaded`` into the first blocks of ``block_ids`` with one

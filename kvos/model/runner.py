@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kvos.cache.layout import CacheLayout
+from kvos.engine.block_digest import page_digests
 from kvos.engine.step import SampleTarget, StepDescription
 from kvos.model.attention import (
     AttentionBackend,
@@ -187,23 +188,28 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across its group's layers, scales included (one row of ``read_blocks``)."""
-        return self._single_group_pages().shape[1]
+        return self.block_pages().shape[1]
 
-    def _single_group_pages(self) -> torch.Tensor:
+    def block_pages(self) -> torch.Tensor:
+        """The KV tensor as ``uint8 [num_blocks, block_bytes]`` (one row per block, page-major);
+        only with a single cache group."""
         if len(self.group_pages) != 1:
             raise ValueError("block reads and writes (tiers, swap) need a single cache group")
         return self.group_pages[0]
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def read_blocks(self, block_ids: list[int], digests_out: list[int] | None = None) -> torch.Tensor:
         """The blocks' bytes as rows of a host ``uint8`` tensor ``[n, block_bytes]`` (each row
         a whole page: ``[num_layers, 2, block_size, kv_heads, head_dim]`` values of the cache
         dtype, then a quantized cache's scales), pinned when the pool is on a GPU: one gather
         and one device-to-host copy per ``READ_CHUNK_BYTES``; returns when the copy is complete.
-        Only valid while the blocks' content is what their owner says: call before the blocks
-        are handed to someone else."""
-        pages = self._single_group_pages()
+        ``digests_out``, when given, is extended with each row's ``block_digests`` value,
+        computed on the device. Only valid while the blocks' content is
+        what their owner says: call before the blocks are handed to someone else."""
+        pages = self.block_pages()
         n, bb = len(block_ids), pages.shape[1]
         idx = torch.tensor(block_ids, dtype=torch.long, device=pages.device)
+        if digests_out is not None:
+            digests_out.extend(page_digests(pages, block_ids).tolist())
         if pages.device.type == "cpu":
             return pages[idx]
         host = torch.empty(n, bb, dtype=torch.uint8, pin_memory=True)
@@ -219,7 +225,7 @@ class ModelRunner:
         cache spec (the hash root includes the KV dtype, so a tier never offers another's). A
         host ``rows`` is copied to the device first (asynchronously when pinned: torch keeps its
         memory until the copy is done)."""
-        pages = self._single_group_pages()
+        pages = self.block_pages()
         if rows.shape[1:] != pages.shape[1:]:
             raise ValueError(f"block rows of {rows.shape[1]} bytes do not fit pages of {pages.shape[1]}")
         src = rows.to(pages.device, non_blocking=True)

@@ -9,7 +9,12 @@ import numpy as np
 import torch
 
 from kvos.engine.sampling_params import SamplingParams
+from kvos.model.ops import use_kernels
 from kvos.model.transfer import to_device
+
+TOP_P_KERNEL_ON_CPU = False
+"""Let CPU tensors take the top-p Triton kernel too (tests, under Triton's interpreter); otherwise
+it runs on CUDA only, and the CPU finds the same threshold through a sort."""
 
 
 @dataclass
@@ -201,6 +206,20 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
     return x
 
 
+def sorted_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` (float32 ``[R, V]``), the top-p threshold tau of
+    ``kvos.kernels.top_p`` through a sort: the kept set ``probs >= tau`` is every token whose
+    strictly more probable tokens weigh less than ``top_p`` (float32 sums; ties kept together;
+    the most probable token always). 0.0 where ``top_p >= 1``."""
+    vals = probs.sort(dim=-1, descending=True).values
+    # the mass of the better ranks (at the first of tied values: the mass strictly above), which
+    # never decreases along the row, so the kept ranks are a prefix
+    before = torch.cat([torch.zeros_like(vals[:, :1]), vals[:, :-1].cumsum(dim=-1)], dim=-1)
+    kept = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)
+    tau = vals.gather(1, (kept - 1)[:, None])[:, 0]
+    return torch.where(top_p >= 1, torch.zeros_like(tau), tau)
+
+
 class Sampler:
     """Samples each row independently; a seeded row's draws depend only on its own generator,
     so its output does not change with batch composition. ``launch`` only queues device work
@@ -266,47 +285,82 @@ class Sampler:
         return out
 
     CANDIDATES = 1024
-    """When every filtering row's ``top_k`` is at most this, candidates come from one ``topk``
-    over the vocabulary instead of a full sort."""
+    """When every top-k row's ``top_k`` is at most this, candidates come from one ``topk`` over
+    the vocabulary instead of a full sort."""
 
     @classmethod
     def _sample(cls, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Exponential-race sampling (``argmax(probs / Exp(1))`` draws from ``probs``) after
-        temperature, top-k, top-p (over the top-k survivors) and min-p. Filtering works on the
-        candidates in rank order: ``topk`` when every row's ``top_k`` is small, else a full sort.
+        temperature, top-k, top-p (over the top-k survivors) and min-p. Rows with a ``top_k``
+        (greedy rows: 1) filter ranked candidates (``_sample_ranked``); the others filter the
+        whole vocabulary in token order (``_sample_full``: no sort on a GPU). A mixed batch runs
+        each path on its own rows.
 
         A seeded row's draws depend only on its own generator and parameters, whatever the batch:
         with ``top_k`` it draws ``top_k`` values in rank order, without it one value per token
-        in token order (on either path)."""
+        in token order."""
         dev = logits.device
         R, V = logits.shape
         temp = to_device([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
                          torch.float32, dev)
         x = logits / temp[:, None]
-        # a greedy row of a sampled batch takes its argmax anyway: its filters do not matter
-        top_k = [0 if r.params.greedy else r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
-        top_p = [1.0 if r.params.greedy else r.params.top_p for r in rows]
-        min_p = [r.params.min_p for r in rows]
-        if not any(top_k) and all(p >= 1 for p in top_p):
-            probs = cls._min_p(x.softmax(dim=-1), min_p, ranked=False)
-            return (probs / cls._noise(rows, top_k, V, None, dev)).argmax(dim=-1)
-        top_k = [1 if r.params.greedy else k for r, k in zip(rows, top_k)]  # (one candidate: its argmax)
-        if all(0 < k <= cls.CANDIDATES for k in top_k):
+        # a greedy row takes its argmax anyway (one candidate), whatever its filters
+        top_k = [1 if r.params.greedy else r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
+        ranked = [i for i, k in enumerate(top_k) if k]
+        if not ranked:
+            return cls._sample_full(x, rows)
+        if len(ranked) == R:
+            return cls._sample_ranked(x, rows, top_k)
+        full = [i for i, k in enumerate(top_k) if not k]
+        idx = to_device(ranked + full, torch.long, dev)
+        idx_r, idx_f = idx[: len(ranked)], idx[len(ranked):]
+        out = torch.empty(R, dtype=torch.long, device=dev)
+        out.index_copy_(0, idx_r, cls._sample_ranked(x.index_select(0, idx_r), [rows[i] for i in ranked],
+                                                     [top_k[i] for i in ranked]))
+        out.index_copy_(0, idx_f, cls._sample_full(x.index_select(0, idx_f), [rows[i] for i in full]))
+        return out
+
+    @classmethod
+    def _sample_ranked(cls, x: torch.Tensor, rows: list[SampleRow], top_k: list[int]) -> torch.Tensor:
+        """Rows that all have a ``top_k`` (``x``: their logits over temperature). Candidates in
+        rank order: one ``topk`` when every ``top_k`` is at most ``CANDIDATES``, else a full sort;
+        then top-k, top-p over the top-k survivors and min-p on them."""
+        dev = x.device
+        if all(k <= cls.CANDIDATES for k in top_k):
             vals, order = x.topk(max(top_k), dim=-1)  # sorted, descending
         else:
             vals, order = x.sort(dim=-1, descending=True)
         K = vals.shape[1]
         ranks = torch.arange(K, device=dev)[None, :]
-        kk = to_device([k or K for k in top_k], torch.long, dev)
-        vals = vals.masked_fill(ranks >= kk[:, None], float("-inf"))
+        vals = vals.masked_fill(ranks >= to_device(top_k, torch.long, dev)[:, None], float("-inf"))
+        top_p = [1.0 if r.params.greedy else r.params.top_p for r in rows]
         if any(p < 1 for p in top_p):
             probs = vals.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass of strictly better candidates
             p = to_device(top_p, torch.float32, dev)
             vals = vals.masked_fill((before >= p[:, None]) & (ranks > 0), float("-inf"))
-        probs = cls._min_p(vals.softmax(dim=-1), min_p, ranked=True)
-        choice = (probs / cls._noise(rows, top_k, V, order, dev)).argmax(dim=-1)
+        probs = cls._min_p(vals.softmax(dim=-1), [r.params.min_p for r in rows], ranked=True)
+        choice = (probs / cls._noise(rows, top_k, K, dev)).argmax(dim=-1)
         return order.gather(1, choice[:, None])[:, 0]
+
+    @classmethod
+    def _sample_full(cls, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Rows without a ``top_k`` (``x``: their logits over temperature), over the whole
+        vocabulary in token order: top-p zeroes the probabilities below the row's threshold
+        (``top_p_threshold``: a Triton kernel on a GPU, no sort; on the CPU the same rule through
+        a sort), then min-p. The race needs no renormalisation."""
+        probs = x.softmax(dim=-1)
+        top_p = [r.params.top_p for r in rows]
+        if any(p < 1 for p in top_p):
+            p = to_device(top_p, torch.float32, x.device)
+            if use_kernels(probs) or TOP_P_KERNEL_ON_CPU:
+                from kvos.kernels.top_p import top_p_threshold
+                tau = top_p_threshold(probs, p)
+            else:
+                tau = sorted_top_p_threshold(probs, p)
+            probs = probs.masked_fill(probs < tau[:, None], 0.0)
+        probs = cls._min_p(probs, [r.params.min_p for r in rows], ranked=False)
+        return (probs / cls._noise(rows, [0] * len(rows), x.shape[1], x.device)).argmax(dim=-1)
 
     @staticmethod
     def _min_p(probs: torch.Tensor, min_p: list[float], ranked: bool) -> torch.Tensor:
@@ -319,18 +373,16 @@ class Sampler:
         return probs.masked_fill(probs < mp[:, None] * top, 0.0)
 
     @staticmethod
-    def _noise(rows: list[SampleRow], top_k: list[int], V: int, order: torch.Tensor | None,
-               device: torch.device) -> torch.Tensor:
-        """Exp(1) noise, one column per candidate (``order``: each row's token ids in rank order;
-        None: every token, in token order). One launch serves the unseeded rows; a seeded row
-        draws its own: ``top_k`` values in rank order, or one per token in token order."""
-        noise = torch.empty(len(rows), V if order is None else order.shape[1], device=device).exponential_()
+    def _noise(rows: list[SampleRow], top_k: list[int], width: int, device: torch.device) -> torch.Tensor:
+        """Exp(1) noise, ``width`` columns: the candidates in rank order for rows with a
+        ``top_k``, every token in token order for the others. One launch serves the unseeded
+        rows; a seeded row draws its own: ``top_k`` values, or one per token."""
+        noise = torch.empty(len(rows), width, device=device).exponential_()
         for i, r in enumerate(rows):
             if r.generator is None:
                 continue
             if top_k[i]:
                 noise[i, :top_k[i]].exponential_(generator=r.generator)
-            else:  # order, if any, is a full sort here (the topk path needs every row's top_k)
-                full = torch.empty(V, device=device).exponential_(generator=r.generator)
-                noise[i] = full if order is None else full[order[i]]
+            else:
+                noise[i] = torch.empty(width, device=device).exponential_(generator=r.generator)
         return noise

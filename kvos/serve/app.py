@@ -362,6 +362,8 @@ async def _warm_up(state: ServerState) -> None:
             prompts.append({"prompt_token_ids": chat_prompt_ids(state.tokenizer, [{"role": "user", "content": "Hi"}])})
         streams = [await state.async_engine.submit(p, params, f"warmup-{i}", cache_salt="kvos-warmup")
                    for i, p in enumerate(prompts)]
+        sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=2, seed=0)  # the top-p kernel compiles here
+        streams.append(await state.async_engine.submit(prompts[0], sampled, "warmup-sampled", cache_salt="kvos-warmup"))
         await asyncio.gather(*(s.result() for s in streams))
         state.ready = True
         log.info("warm-up done in %.1f s; ready", time.perf_counter() - t0)

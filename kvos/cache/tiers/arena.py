@@ -28,8 +28,8 @@ class SlotArena:
     ``align`` bytes into its chunk.
 
     Memory comes from ``allocate`` one chunk (about ``chunk_bytes``) at a time, only when the free
-    list is empty, so a large tier does not reserve (or pin) its whole capacity at start; it is
-    never returned. A key's slot is found with ``lookup`` (which makes it most recently used);
+    list is empty (or ``grow`` is called), so a large tier does not reserve (or pin) its whole
+    capacity at start unless its owner asks; it is never returned. A key's slot is found with ``lookup`` (which makes it most recently used);
     ``evict`` and ``drop`` unbind a key.
 
     Demand (``set_demand``, the waiting queue's next hits): ``evict`` takes the least recently
@@ -97,25 +97,32 @@ class SlotArena:
 
     def alloc(self) -> int | None:
         """A free slot (growing by a chunk if none is free), or None when every slot is bound."""
-        if not self._free:
-            if self._num_slots == self.capacity_slots:
-                return None
-            n = min(self.slots_per_chunk, self.capacity_slots - self._num_slots)
-            mem = self.allocate(n * self.stride)
-            if len(mem) != n * self.stride:
-                raise ValueError(f"allocate({n * self.stride}) returned {len(mem)} bytes")
-            self.chunks.append(mem)
-            self._free.extend(range(self._num_slots + n - 1, self._num_slots - 1, -1))
-            self._num_slots += n
+        if not self._free and not self.grow():
+            return None
         return self._free.pop()
+
+    def grow(self) -> bool:
+        """Allocate one more chunk of slots; False when the capacity is reached. (``alloc``
+        grows on demand; an owner that wants every slot up front calls this until False.)"""
+        if self._num_slots == self.capacity_slots:
+            return False
+        n = min(self.slots_per_chunk, self.capacity_slots - self._num_slots)
+        mem = self.allocate(n * self.stride)
+        if len(mem) != n * self.stride:
+            raise ValueError(f"allocate({n * self.stride}) returned {len(mem)} bytes")
+        self.chunks.append(mem)
+        self._free[:0] = range(self._num_slots + n - 1, self._num_slots - 1, -1)  # popped after older free slots
+        self._num_slots += n
+        return True
 
     def bind(self, key: BlockHash, slot: int) -> None:
         """``key`` now lives in ``slot`` (from ``alloc`` or ``evict``), most recently used."""
         self._lru[key] = slot
 
-    def evict(self) -> tuple[BlockHash, int]:
-        """Unbind the least recently used key no waiting request wants (else the one wanted
-        farthest back); its slot (content intact) goes to the caller. KeyError if none is bound."""
+    def evict(self, wanted: bool = True) -> tuple[BlockHash, int] | None:
+        """Unbind the least recently used key no waiting request wants (else, if ``wanted``, the
+        one wanted farthest back; else None); its slot (content intact) goes to the caller.
+        KeyError if none is bound."""
         if self._held_for is not self.demand:
             self._release_held()
         demand = self.demand
@@ -128,6 +135,8 @@ class SlotArena:
             self._held[key] = (slot, len(self._held_seq))
             heapq.heappush(self._held_heap, (-want[0], -want[1], len(self._held_seq), key))
             self._held_for = demand
+        if not wanted and self._held:
+            return None
         while self._held_heap:
             _, _, seq, key = heapq.heappop(self._held_heap)
             held = self._held.get(key)
@@ -147,6 +156,10 @@ class SlotArena:
         self._held_seq.clear()
         self._held_heap.clear()
         self._held_for = None
+
+    def free(self, slot: int) -> None:
+        """Return an unbound slot (from ``alloc`` or ``evict``) to the free list."""
+        self._free.append(slot)
 
     def drop(self, key: BlockHash) -> None:
         """Unbind ``key``; its slot goes back to the free list."""

@@ -73,8 +73,9 @@ class Tier(ABC):
         """The stored frame of ``key`` (see ``codec``), or None."""
 
     @abstractmethod
-    def _write(self, key: BlockHash, data: bytes | memoryview) -> bool:
-        """Store the frame of payload ``data`` bound to ``key`` (``self.codec``); False
+    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
+        """Store the frame of payload ``data`` bound to ``key`` (``self.codec``; ``digest``: the
+        payload's ``block_digests`` value if the caller has it, used by a ``DigestCodec``); False
         (counted) when skipped."""
 
     @abstractmethod
@@ -102,10 +103,26 @@ class Tier(ABC):
                 self.stats.loads_bytes += len(data)
         return data
 
-    def put(self, key: BlockHash, data: bytes | memoryview) -> bool:
+    def get_for_load(self, key: BlockHash) -> tuple[bytes | memoryview, int | None] | None:
+        """(payload, None) as ``get`` returns it, or for a tier whose frames hold a digest
+        (``DigestCodec``) (the *unverified* payload, the digest it must have): the loader checks
+        it after copying and calls ``reject`` if it differs. Same safety rules as ``get``."""
+        data = self.get(key)
+        return None if data is None else (data, None)
+
+    def reject(self, key: BlockHash, nbytes: int) -> None:
+        """A payload from ``get_for_load`` failed its digest: drop the entry and count it (on the
+        thread that puts into this tier)."""
+        self._drop(key)
+        with self.lock:
+            self.stats.checksum_failures += 1
+            self.stats.hits_blocks -= 1
+            self.stats.loads_bytes -= nbytes
+
+    def put(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
         if self.contains(key):
             return True
-        ok = self._write(key, data)
+        ok = self._write(key, data, digest)
         if ok:
             self.stats.stores_blocks += 1
             self.stats.stores_bytes += len(data)

@@ -11,9 +11,15 @@ Two frame kinds, told apart by their magic:
   key can read a payload, and a frame fails authentication unless it was written by a holder
   of the key *under this very block key*.
 
-Invariant of both: ``decode(key, encode(key, data)) == data``, and ``decode`` returns None (it
+- digest (``DigestCodec``, the CPU tier's on a GPU): ``magic | digest ^ H(key) | 0 | length |
+  payload``, where ``digest`` is a 64-bit digest of the payload that the caller computes where
+  the bytes are (``kvos.engine.block_digest``: on the device, before the copy to the host). A load
+  is checked after its copy to the device, by digesting the copied rows there (``split`` hands
+  out the expected digest without reading the payload); ``decode`` checks on the host.
+
+Invariant of all: ``decode(key, encode(key, data)) == data``, and ``decode`` returns None (it
 never raises) for anything else: another key's frame, a truncated or altered frame, a frame of
-the other kind or of an older format, or a sealed frame written with another encryption key.
+another kind or of an older format, or a sealed frame written with another encryption key.
 """
 from __future__ import annotations
 
@@ -22,11 +28,14 @@ import os
 import stat
 import struct
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 MAGIC = b"KVOS3"
 """Plain frames; "KVOS2" frames (checksum of the payload only, not bound to a key) are rejected."""
 SEALED_MAGIC = b"KVOE1"
+DIGEST_MAGIC = b"KVOD1"
+_DIGEST_HEADER = struct.Struct("<5sq8xQ")  # magic, digest ^ key hash, padding, length: HEADER_SIZE bytes
 _HEADER = struct.Struct("<5s16sQ")
 HEADER_SIZE = _HEADER.size
 _SEALED_HEADER = struct.Struct("<5s12sQ")  # magic, nonce, ciphertext length (tag included)
@@ -37,6 +46,7 @@ try:  # xxh3-128 runs at memory speed; blake2b is the fallback when xxhash is ab
     from xxhash import xxh3_128 as _fast_hasher
 except ImportError:  # pragma: no cover
     _fast_hasher = None
+assert _DIGEST_HEADER.size == HEADER_SIZE
 
 
 def checksum(data: bytes | memoryview, key: bytes = b"") -> bytes:
@@ -65,8 +75,12 @@ class PlainCodec:
     def encode_into(self, dst: memoryview, key: bytes, data: bytes | memoryview) -> None:
         """Write the frame of ``data`` under ``key`` into ``dst``, which is exactly
         ``HEADER_SIZE + len(data)`` bytes (no intermediate copy of the payload)."""
-        _HEADER.pack_into(dst, 0, MAGIC, checksum(data, key), len(data))
         dst[HEADER_SIZE:] = data
+        self.write_header(dst, key)
+
+    def write_header(self, dst: memoryview, key: bytes, digest: int | None = None) -> None:
+        """Frame the payload already in ``dst[HEADER_SIZE:]`` under ``key``."""
+        _HEADER.pack_into(dst, 0, MAGIC, checksum(dst[HEADER_SIZE:], key), len(dst) - HEADER_SIZE)
 
     def decode(self, key: bytes, blob: bytes | memoryview | None) -> memoryview | None:
         """A zero-copy view of the payload, or None when the frame is truncated, foreign, of
@@ -78,6 +92,64 @@ class PlainCodec:
         if magic != MAGIC or n != len(data) or checksum(data, key) != digest:
             return None
         return data
+
+
+def key_hash64(key: bytes) -> int:
+    """A signed 64-bit hash of a block key (binds a digest frame to the key it is stored under)."""
+    return int.from_bytes(checksum(b"", key)[:8], "little", signed=True)
+
+
+Digest = Callable[[bytes | memoryview], int]
+"""The payload's 64-bit digest, as a signed int (``kvos.engine.block_digest`` on host rows)."""
+
+
+class DigestCodec:
+    """Frames holding a caller-computed payload digest bound to the key (see the module
+    docstring). ``digest_fn`` computes it on the host when the caller has none (``encode`` without
+    ``digest``) and in ``decode``; the CPU tier's hot paths never call it."""
+
+    sealed = False
+    header_size = HEADER_SIZE
+
+    def __init__(self, digest_fn: Digest) -> None:
+        self.digest_fn = digest_fn
+
+    def frame_size(self, payload_len: int) -> int:
+        return HEADER_SIZE + payload_len
+
+    def encode_into(self, dst: memoryview, key: bytes, data: bytes | memoryview, digest: int | None = None) -> None:
+        dst[HEADER_SIZE:] = data
+        self.write_header(dst, key, digest)
+
+    def write_header(self, dst: memoryview, key: bytes, digest: int | None = None) -> None:
+        """Frame the payload already in ``dst[HEADER_SIZE:]`` under ``key`` (``digest``: its
+        digest, computed here when None)."""
+        if digest is None:
+            digest = self.digest_fn(dst[HEADER_SIZE:])
+        _DIGEST_HEADER.pack_into(dst, 0, DIGEST_MAGIC, digest ^ key_hash64(key), len(dst) - HEADER_SIZE)
+
+    def encode(self, key: bytes, data: bytes | memoryview, digest: int | None = None) -> bytes:
+        out = bytearray(HEADER_SIZE + len(data))
+        self.encode_into(memoryview(out), key, data, digest)
+        return bytes(out)
+
+    def split(self, key: bytes, blob: bytes | memoryview | None) -> tuple[memoryview, int] | None:
+        """(a view of the unverified payload, the digest it must have), or None when the frame is
+        truncated or not a digest frame. Only the header is read."""
+        if blob is None or len(blob) < HEADER_SIZE:
+            return None
+        magic, field, n = _DIGEST_HEADER.unpack_from(blob)
+        data = memoryview(blob)[HEADER_SIZE:]
+        if magic != DIGEST_MAGIC or n != len(data):
+            return None
+        return data, field ^ key_hash64(key)
+
+    def decode(self, key: bytes, blob: bytes | memoryview | None) -> memoryview | None:
+        """The payload verified on the host (``digest_fn``), or None."""
+        got = self.split(key, blob)
+        if got is None or self.digest_fn(got[0]) != got[1]:
+            return None
+        return got[0]
 
 
 class SealedCodec:
@@ -124,7 +196,7 @@ class SealedCodec:
             return None
 
 
-Codec = PlainCodec | SealedCodec
+Codec = PlainCodec | SealedCodec | DigestCodec
 PLAIN = PlainCodec()
 
 

@@ -1,17 +1,26 @@
 """CPU-memory tier: framed blocks in the fixed-size slots of a ``SlotArena``."""
 from __future__ import annotations
 
+import time
+
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers.arena import DEFAULT_CHUNK_BYTES, Allocate, Demand, SlotArena, allocate_bytearray
 from kvos.cache.tiers.base import Tier
-from kvos.cache.tiers.codec import HEADER_SIZE
+from kvos.cache.tiers.codec import HEADER_SIZE, PLAIN, Digest, DigestCodec
 
 
 class CPUTier(Tier):
-    """Each block is one slot holding its plain frame (magic, checksum of key and payload,
-    length, payload), placed so that the payload starts 64-byte aligned. Process memory is not
-    encrypted: the keyed checksum guards against corruption and blocks in the wrong slot. Memory comes from ``allocate`` in chunks as the
-    tier fills (pinned memory when the engine runs on a GPU, so loads DMA straight from slots).
+    """Each block is one slot holding its frame (magic, keyed checksum, length, payload), placed
+    so that the payload starts 64-byte aligned. Process memory is not encrypted: the keyed
+    checksum guards against corruption and blocks in the wrong slot. Memory comes from
+    ``allocate`` in chunks as the tier fills (pinned memory when the engine runs on a GPU, so
+    loads DMA straight from slots).
+
+    Frames are plain (xxh3 of key and payload, verified on the host by ``get``) unless
+    ``digest_fn`` is given: then they hold the payload's ``block_digests`` value bound to the key
+    (``DigestCodec``), which stores take from the caller (computed on the device before the copy
+    to the host) and loads check on the device after their copy (``get_for_load``), so neither
+    hashes the payload on a host thread.
 
     The slot size is fixed by the first block stored (an engine's blocks all have one size); a
     payload of another size is not stored and counts in ``stats.skipped_writes``.
@@ -28,8 +37,10 @@ class CPUTier(Tier):
     _LEAD = (-HEADER_SIZE) % PAYLOAD_ALIGN  # frame offset in a slot: header ends on the alignment
 
     def __init__(self, capacity_bytes: int, allocate: Allocate = allocate_bytearray,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        super().__init__(capacity_bytes)
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, digest_fn: Digest | None = None) -> None:
+        super().__init__(capacity_bytes, DigestCodec(digest_fn) if digest_fn is not None else PLAIN)
+        self.digests = digest_fn is not None
+        """Frames carry a digest the loader checks (``get_for_load``), not an xxh3 checksum."""
         self.allocate = allocate
         self.chunk_bytes = chunk_bytes
         self.arena: SlotArena | None = None  # made by the first put that fits
@@ -65,29 +76,117 @@ class CPUTier(Tier):
             slot = self.arena.lookup(key) if self.arena is not None else None
             return None if slot is None else self._frame(slot)
 
-    def _write(self, key: BlockHash, data: bytes | memoryview) -> bool:
-        size = self._LEAD + HEADER_SIZE + len(data)
+    def get_for_load(self, key: BlockHash) -> tuple[memoryview, int | None] | None:
+        if not self.digests:
+            return super().get_for_load(key)
+        t0 = time.perf_counter()
+        blob = self._read(key)
+        got = None if blob is None else self.codec.split(key, blob)
+        if blob is not None and got is None:
+            self._drop(key)
         with self.lock:
-            if self.arena is None:
-                try:
-                    self.arena = SlotArena(size, self.capacity_bytes, self.allocate, self.chunk_bytes,
-                                           self.PAYLOAD_ALIGN)
-                    self.arena.set_demand(self._demand)
-                except ValueError:  # not even one slot of this size fits the capacity
-                    self.stats.skipped_writes += 1
-                    return False
-            if size != self.arena.slot_bytes:
-                self.stats.skipped_writes += 1
+            self.stats.load_seconds += time.perf_counter() - t0
+            if blob is None:
+                self.stats.misses_blocks += 1
+            elif got is None:
+                self.stats.checksum_failures += 1
+            else:
+                self.stats.hits_blocks += 1
+                self.stats.loads_bytes += len(got[0])
+        return got
+
+    def _sized(self, size: int) -> bool:
+        """Whether slots are (now) ``size`` bytes: the first size asked for fixes them. Under
+        ``self.lock``."""
+        if self.arena is None:
+            try:
+                self.arena = SlotArena(size, self.capacity_bytes, self.allocate, self.chunk_bytes,
+                                       self.PAYLOAD_ALIGN)
+            except ValueError:  # not even one slot of this size fits the capacity
                 return False
-            slot = self.arena.alloc()
+            self.arena.set_demand(self._demand)
+        return size == self.arena.slot_bytes
+
+    def _take_slot(self, size: int, evict_wanted: bool = True) -> int | None:
+        """A slot of ``size`` bytes taken off the free list or from the block evicted (None,
+        counted, when this size cannot be stored; None, uncounted, when only a block a waiting
+        request wants could go and not ``evict_wanted``). Under ``self.lock``."""
+        if not self._sized(size):
+            self.stats.skipped_writes += 1
+            return None
+        slot = self.arena.alloc()
+        if slot is None:
+            got = self.arena.evict(evict_wanted)
+            if got is None:
+                return None
+            old_key, slot = got
+            self.stats.evictions += 1
+            if self.on_evict is not None:  # before the slot is rewritten
+                self.on_evict(old_key, self._frame(slot))
+        return slot
+
+    def preallocate(self, payload_bytes: int) -> int:
+        """Size the slots for payloads of ``payload_bytes`` and allocate all of them now (the
+        engine on a GPU: pinning memory is slow, and write-through must not wait for it in the
+        middle of a run); returns the bytes allocated. A no-op if the slots are sized already."""
+        with self.lock:
+            if not self._sized(self._LEAD + HEADER_SIZE + payload_bytes):
+                return 0
+            while self.arena.grow():
+                pass
+            return self.arena.reserved_bytes
+
+    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
+        with self.lock:
+            slot = self._take_slot(self._LEAD + HEADER_SIZE + len(data))
             if slot is None:
-                old_key, slot = self.arena.evict()
-                self.stats.evictions += 1
-                if self.on_evict is not None:  # before the slot is rewritten
-                    self.on_evict(old_key, self._frame(slot))
-            self.codec.encode_into(self._frame(slot), key, data)
+                return False
+            if self.digests:
+                self.codec.encode_into(self._frame(slot), key, data, digest)
+            else:
+                self.codec.encode_into(self._frame(slot), key, data)
             self.arena.bind(key, slot)
         return True
+
+    def reserve(self, key: BlockHash, nbytes: int, evict_wanted: bool = True) -> tuple[int, memoryview] | None | bool:
+        """A slot for ``key``'s payload of ``nbytes`` bytes that the caller fills in place (a
+        device-to-host copy straight into pinned slot memory): (slot, view of its payload); None
+        when ``key`` is here already or the size cannot be stored; False when only a block a
+        waiting request wants could make room and not ``evict_wanted`` (a put would then
+        evict the blocks reserved before it first: commit those, then reserve again). The
+        slot is unbound, invisible to gets, until ``commit``. Same thread rule as ``put``."""
+        with self.lock:
+            if self.arena is not None and key in self.arena:
+                return None
+            size = self._LEAD + HEADER_SIZE + nbytes
+            if self.arena is not None and size == self.arena.slot_bytes and not evict_wanted:
+                try:
+                    slot = self._take_slot(size, evict_wanted=False)
+                except KeyError:  # every slot is reserved: the round's blocks go first
+                    return False
+                if slot is None:
+                    return False
+            else:
+                slot = self._take_slot(size)
+            return None if slot is None else (slot, self._frame(slot)[HEADER_SIZE:])
+
+    def commit(self, key: BlockHash, slot: int, digest: int | None = None) -> None:
+        """Frame the payload written into a reserved slot and bind it to ``key`` (``digest``:
+        its ``block_digests`` value, for digest frames)."""
+        frame = self._frame(slot)
+        if self.digests:
+            self.codec.write_header(frame, key, digest)
+        else:
+            self.codec.write_header(frame, key)
+        with self.lock:
+            self.arena.bind(key, slot)
+            self.stats.stores_blocks += 1
+            self.stats.stores_bytes += len(frame) - HEADER_SIZE
+
+    def release(self, slot: int) -> None:
+        """Give back a reserved slot without storing anything."""
+        with self.lock:
+            self.arena.free(slot)
 
     def _drop(self, key: BlockHash) -> None:
         with self.lock:

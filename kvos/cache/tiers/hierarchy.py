@@ -54,24 +54,25 @@ class TierHierarchy:
                 held[i] = held[i] or there
         return held.index(False) if False in held else len(held)
 
-    def find(self, key: BlockHash) -> tuple[bytes | memoryview, int] | None:
-        """Verified payload of ``key`` and the index of the fastest tier holding it, or None.
-        Writes no tier memory (no promotion; a failed checksum only unbinds the entry), so a
-        payload that aliases a tier's memory stays valid until the next store or ``promote``
+    def find(self, key: BlockHash) -> tuple[bytes | memoryview, int, int | None] | None:
+        """The payload of ``key``, the index of the fastest tier holding it and the digest the
+        caller must check it against (None: verified already; see ``Tier.get_for_load``), or
+        None. Writes no tier memory (no promotion; a failed checksum only unbinds the entry), so
+        a payload that aliases a tier's memory stays valid until the next store or ``promote``
         (see ``Tier.get``), and several finds may run at once."""
         for i, tier in enumerate(self.tiers):
-            data = tier.get(key)
-            if data is not None:
-                return data, i
+            got = tier.get_for_load(key)
+            if got is not None:
+                return got[0], i, got[1]
         return None
 
-    def promote(self, key: BlockHash, data: bytes | memoryview, found_in: int) -> None:
+    def promote(self, key: BlockHash, data: bytes | memoryview, found_in: int, digest: int | None = None) -> None:
         """Copy a block found in tier ``found_in`` into the tiers above it (may evict there)."""
         for upper in self.tiers[:found_in]:
             if upper.receives_stores:
-                upper.put(key, data)
+                upper.put(key, data, digest)
 
-    def store(self, key: BlockHash, data: bytes | memoryview, evicted: bool) -> None:
+    def store(self, key: BlockHash, data: bytes | memoryview, evicted: bool, digest: int | None = None) -> None:
         """Called when a device block is computed (``evicted=False``) or evicted (True)."""
         if self.write_policy == "write_through":
             targets = [] if evicted else self.tiers
@@ -81,7 +82,7 @@ class TierHierarchy:
             if not tier.receives_stores:
                 continue
             t0 = time.perf_counter()
-            tier.put(key, data)
+            tier.put(key, data, digest)
             tier.stats.store_seconds += time.perf_counter() - t0
 
     def usage(self) -> list[dict]:

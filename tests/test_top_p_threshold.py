@@ -1,0 +1,179 @@
+"""The sort-free top-p threshold (kvos.kernels.top_p) and the sampler's full-vocabulary path.
+
+Kept sets ``probs >= tau`` against the float64 rule (a token is kept iff the probabilities
+strictly above it sum to less than p) on peaked, near-flat and tied rows, except tokens whose
+float64 mass above is within 1e-5 of p (float32 summation order decides those). Then the
+sampler with the kernel on: chi-square against the filtered softmax, and a mixed batch (top-k,
+top-p only, greedy) whose seeded rows draw what they draw alone, without any sort. Without a GPU
+the kernel runs in Triton's interpreter on small CPU tensors (milliseconds a row).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # No GPU: run the kernel in Triton's interpreter on CPU tensors. triton.jit reads
+    # TRITON_INTERPRET when it decorates a function, and triton decorates its own helpers
+    # (tl.cdiv, ...) when it is first imported, so this must come before anything imports triton
+    # (setdefault: an explicit TRITON_INTERPRET=0 still wins, and then the module is skipped).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+from kvos.engine.sampling_params import SamplingParams  # noqa: E402
+from kvos.kernels import top_p as _top_p  # noqa: E402
+from kvos.model import sampler as _sampler  # noqa: E402
+from kvos.model.sampler import Sampler, SampleRow, sorted_top_p_threshold  # noqa: E402
+from tests.test_sampler_distribution import chi2_critical, draw, reference  # noqa: E402
+
+top_p_threshold = _top_p.top_p_threshold
+top_p_threshold_reference = _top_p.top_p_threshold_reference
+
+if not CUDA:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not (INTERPRET and isinstance(triton.language.standard.cdiv, InterpretedFunction)
+            and isinstance(_top_p._top_p_threshold_kernel, InterpretedFunction)):
+        pytest.skip("no CUDA GPU, and triton (or kvos.kernels) was imported before "
+                    "TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment",
+                    allow_module_level=True)
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+PS = [0.1, 0.5, 0.9, 0.95, 0.999]
+NEAR = 1e-5
+
+
+def mass_above(probs: torch.Tensor) -> torch.Tensor:
+    """Float64: per token, the sum of its row's probabilities strictly greater than it."""
+    x = probs.double()
+    asc = x.sort(dim=-1).values
+    suffix = torch.cat([asc.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(asc[:, :1])], dim=-1)
+    return suffix.gather(1, torch.searchsorted(asc, x, right=True))
+
+
+def check_kept_sets(probs: torch.Tensor, p: torch.Tensor, tau: torch.Tensor, exact: bool = False) -> None:
+    """``probs >= tau`` is the float64 rule's kept set, except near the boundary (nowhere with
+    ``exact``); the most probable token is kept; ``p >= 1`` keeps everything."""
+    kept = probs >= tau[:, None]
+    above = mass_above(probs)
+    want = above < p.double()[:, None]
+    near = (above - p.double()[:, None]).abs() <= NEAR
+    wrong = (kept != want) & (torch.zeros_like(near) if exact else ~near)
+    assert not wrong.any(), [(r, torch.nonzero(wrong[r]).flatten().tolist()[:5], p[r].item())
+                             for r in range(len(p)) if wrong[r].any()]
+    assert kept.gather(1, probs.argmax(dim=-1, keepdim=True)).all()
+    assert kept[p >= 1].all()
+    is_value = (probs == tau[:, None]).any(dim=-1) | (tau == 0)  # tau is one of the row's values
+    assert is_value.all()
+
+
+def rows(V: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peaked, ordinary, near-flat and tied rows (two of each), each p of PS and 1.0 among them."""
+    g = torch.Generator().manual_seed(seed)
+    logits = [torch.randn(V, generator=g) * s for s in (8.0, 8.0, 2.0, 2.0, 0.01, 0.01)]
+    logits += [torch.randint(0, 4, (V,), generator=g).float() * s for s in (1.0, 0.3)]  # many ties
+    probs = torch.stack(logits).softmax(dim=-1)
+    p = torch.tensor(PS + [1.0] + PS[:2], dtype=torch.float32)[torch.randperm(8, generator=g)]
+    return probs.to(DEVICE), p.to(DEVICE)
+
+
+@pytest.mark.parametrize("V, block", [(1000, 256), (77, 128), (513, 512), (3000, 1024)])
+def test_kernel_kept_set_matches_the_float64_rule(V, block):
+    for seed in range(2):
+        probs, p = rows(V, seed)
+        tau = top_p_threshold(probs, p, block=block)
+        check_kept_sets(probs, p, tau)
+        check_kept_sets(probs, p, top_p_threshold_reference(probs, p), exact=True)
+        check_kept_sets(probs, p, sorted_top_p_threshold(probs, p))  # the sampler's CPU path
+
+
+def test_kernel_ties_and_exact_boundaries():
+    """Ties are kept or dropped together, and masses that sum exactly (powers of two) put the
+    boundary exactly where the rule says: mass above < p keeps, == p drops."""
+    probs = torch.tensor([[0.25, 0.125, 0.25, 0.125, 0.25],  # tied tops: above = 0 for all three
+                          [0.5, 0.25, 0.125, 0.0625, 0.0625],
+                          [0.5, 0.25, 0.125, 0.0625, 0.0625],
+                          [0.5, 0.25, 0.125, 0.0625, 0.0625]], device=DEVICE)
+    p = torch.tensor([0.1, 0.75, 0.7501, 0.875], device=DEVICE)
+    tau = top_p_threshold(probs, p, block=4)  # V not a multiple of the block
+    assert tau.tolist() == [0.25, 0.25, 0.125, 0.125]
+    assert top_p_threshold_reference(probs, p).tolist() == tau.tolist()
+    assert sorted_top_p_threshold(probs, p).tolist() == tau.tolist()
+
+
+@pytest.fixture
+def kernel_on(monkeypatch):
+    """The sampler's full-vocabulary path on the Triton kernel, even on CPU tensors. Under the
+    interpreter the kernel runs once per distinct (row, p): a batch of identical rows costs one."""
+    monkeypatch.setattr(_sampler, "TOP_P_KERNEL_ON_CPU", True)
+    calls = []
+
+    def deduplicated(probs, top_p):
+        calls.append(probs.shape[0])
+        if CUDA:
+            return top_p_threshold(probs, top_p)
+        uniq, inverse = torch.cat([probs, top_p[:, None]], dim=1).unique(dim=0, return_inverse=True)
+        return top_p_threshold(uniq[:, :-1].contiguous(), uniq[:, -1].contiguous())[inverse]
+
+    monkeypatch.setattr(_top_p, "top_p_threshold", deduplicated)
+    return calls
+
+
+@pytest.mark.parametrize("vocab, params, neighbour", [
+    (1000, SamplingParams(temperature=0.7, top_p=0.9), None),
+    (1000, SamplingParams(temperature=1.2, top_p=0.95, min_p=0.02), None),
+    (300, SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0, top_k=5)),  # mixed
+])
+def test_kernel_path_frequencies_match_the_filtered_softmax(vocab, params, neighbour, kernel_on):
+    torch.manual_seed(0)
+    logits = torch.randn(vocab) * 3
+    p = reference(logits.numpy(), params.temperature, params.top_k, params.top_p, params.min_p)
+    n = 60_000
+    counts = draw(logits.to(DEVICE), params, n, neighbour=neighbour)
+    assert kernel_on  # the kernel did the filtering
+    assert counts[p == 0].sum() == 0  # nothing the filters removed is ever drawn
+    support = p > 0
+    expected = p[support] * n
+    big = expected >= 5
+    obs = np.append(counts[support][big], counts[support][~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    assert stat < chi2_critical(len(exp) - 1), (stat, len(exp))
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_mixed_batch_rows_draw_what_they_draw_alone(kernel, monkeypatch):
+    """One batch of a top-k row, a top-p-only row and a greedy row (all seeded): each row's
+    tokens equal those of the row sampled alone with the same seed. With the kernel, no step
+    sorts anything."""
+    monkeypatch.setattr(_sampler, "TOP_P_KERNEL_ON_CPU", kernel)
+    if kernel:
+        def no_sort(*args, **kwargs):
+            raise AssertionError("the kernel path sorted")
+        monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 500, generator=g) * 2).to(DEVICE)
+    params = [SamplingParams(temperature=0.9, top_k=5, seed=11),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=12), SamplingParams(temperature=0.0, seed=13)]
+
+    def run(indices: list[int], steps: int = 8) -> list[list[int]]:
+        gens = {i: torch.Generator(device=DEVICE).manual_seed(params[i].seed) for i in indices}
+        out = []
+        for _ in range(steps):
+            batch = [SampleRow(j, params[i], gens[i]) for j, i in enumerate(indices)]
+            out.append(Sampler._sample(logits[indices], batch).tolist())
+        return [list(col) for col in zip(*out)]
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        assert together[i] == run([i])[0], i
+    assert together[2] == [logits[2].argmax().item()] * 8
+    assert len(set(together[1])) > 1  # the top-p row really samples
