@@ -221,15 +221,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise SystemExit("--decode-engines needs --prefill-engines")
     if a.prefill_engines and a.data_parallel > 1:
         raise SystemExit("--data-parallel and --prefill-engines/--decode-engines exclude each other")
-    if a.data_parallel > 1 or a.prefill_engines:
+    several = a.data_parallel > 1 or bool(a.prefill_engines)
+    transport = a.transport
+    if transport == "auto":
+        transport = "ray" if several else "process" if str(a.device).startswith("cuda") else "thread"
+    if transport == "thread" and several:
+        raise SystemExit("--transport thread runs one engine; several need ray or process")
+    if transport != "thread":
         from kvos.distributed import DataParallelEngine
-        from kvos.model.loader import resolve_model_path
+        from kvos.model.loader import resolve_config_path, resolve_model_path
 
         kwargs = engine_kwargs(a)
         EngineConfig(**kwargs)  # bad options fail here, before any actor starts
         engine = DataParallelEngine(kwargs, (a.decode_engines or 1) if a.prefill_engines else a.data_parallel,
-                                    a.router, a.ray_address, a.kv_weight, prefill_engines=a.prefill_engines or 0)
-        model_path = resolve_model_path(kwargs["model"])
+                                    a.router, a.ray_address, a.kv_weight, prefill_engines=a.prefill_engines or 0,
+                                    transport=transport)
+        model_path = (resolve_config_path if kwargs.get("random_weights") else resolve_model_path)(kwargs["model"])
     else:
         engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
         model_path = engine.model_path
@@ -334,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--shutdown-timeout-s", type=float, default=limits.DEFAULT_SHUTDOWN_TIMEOUT_S,
                     help="on SIGTERM/SIGINT, wait this long for requests in flight, then end them (a stream gets an "
                          "error event and [DONE]); /health is 503 meanwhile (default: 30)")
-    dp = s.add_argument_group("several engines (Ray)")
+    dp = s.add_argument_group("several engines (Ray, or local processes)")
     dp.add_argument("--data-parallel", type=_positive(int), default=1, metavar="N",
                     help="N engine actors on a Ray cluster (one per GPU on a GPU host) behind one endpoint and a "
                          "router; with no cluster running, a local one is started")
@@ -351,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --prefill-engines: D engines that generate (default 1)")
     dp.add_argument("--ray-address", default=None,
                     help="join this Ray cluster (e.g. auto, or HOST:6379 after 'ray start --head')")
+    dp.add_argument("--transport", default="auto", choices=["auto", "ray", "process", "thread"],
+                    help="where the engines run: Ray actors; local processes without Ray (one host); or, for one "
+                         "engine, a thread of the server. auto: ray for several engines; for one, its own process "
+                         "on a CUDA device (the engine loop off the HTTP server's interpreter), a thread otherwise")
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
     et = sub.add_parser("export-tokenizer", help="save the model's tokenizer as a Hugging Face tokenizer folder "

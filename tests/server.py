@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,3 +63,23 @@ class Server:
             if line.startswith(key + " "):
                 return float(line.split()[-1])
         raise KeyError(key)
+
+
+def engines(server) -> dict[int, dict]:
+    """Per engine from /metrics: pid, up, running."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    out: dict[int, dict] = {}
+    for e, pid in re.findall(r'kvos:engine_info\{engine="(\d+)",pid="(\d+)"\} 1', text):
+        out[int(e)] = {"pid": int(pid)}
+    for name, key in (("kvos:engine_up", "up"), ("kvos:engine_num_requests_running", "running")):
+        for e, v in re.findall(rf'{name}\{{engine="(\d+)"\}} (\S+)', text):
+            out.setdefault(int(e), {})[key] = float(v)
+    return out
+
+
+def wait_until(cond, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError("condition not met")
+        time.sleep(0.2)

@@ -6,11 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
 
-def test_launch_compares_server_with_offline(tmp_path):
+
+@pytest.mark.parametrize("transport", ["", " --transport process"], ids=["in-process", "engine-process"])
+def test_launch_compares_server_with_offline(transport, tmp_path):
     out = tmp_path / "serve.json"
     subprocess.run([sys.executable, "-m", "kvos.cli", "bench", "serve", "--launch",
-                    "--model llama-tiny --random-weights --num-blocks 256", "--requests", "12",
+                    "--model llama-tiny --random-weights --num-blocks 256" + transport, "--requests", "12",
                     "--concurrency", "6", "--input-len", "24", "--max-tokens", "8", "--client-processes", "2",
                     "--output", str(out)], check=True, timeout=600, capture_output=True)
     r = json.loads(out.read_text())

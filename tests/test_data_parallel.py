@@ -4,17 +4,15 @@ process kills."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
 from kvos import SamplingParams
-from tests.server import Server
+from tests.server import Server, engines, wait_until
 
 pytest.importorskip("ray")
 
@@ -32,26 +30,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def engines(server) -> dict[int, dict]:
-    """Per engine from /metrics: pid, up, running."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    out: dict[int, dict] = {}
-    for e, pid in re.findall(r'kvos:engine_info\{engine="(\d+)",pid="(\d+)"\} 1', text):
-        out[int(e)] = {"pid": int(pid)}
-    for name, key in (("kvos:engine_up", "up"), ("kvos:engine_num_requests_running", "running")):
-        for e, v in re.findall(rf'{name}\{{engine="(\d+)"\}} (\S+)', text):
-            out.setdefault(int(e), {})[key] = float(v)
-    return out
-
-
-def wait_until(cond, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise TimeoutError("condition not met")
-        time.sleep(0.2)
 
 
 def test_greedy_outputs_equal_one_engine(server, client, llm):

@@ -153,7 +153,7 @@ def _offline(engine_args: str, prompts: list[list[int]], max_tokens: int, temper
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    llm = LLM(**{**engine_kwargs(p.parse_args(shlex.split(engine_args))), "skip_tokenizer_init": True})
+    llm = LLM(**{**engine_kwargs(p.parse_known_args(shlex.split(engine_args))[0]), "skip_tokenizer_init": True})
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                             seed=0 if temperature else None)
     llm.generate([{"prompt_token_ids": q} for q in prompts[:8]], params, use_tqdm=False)

@@ -27,6 +27,22 @@ class Pin:
                 "expires_at": self.expires_at}
 
 
+@dataclass
+class PinInfo:
+    """What a client is told of a pin (plain, picklable: it crosses to a server process)."""
+
+    pin_id: str
+    num_tokens: int
+    num_blocks: int
+    expires_in_s: float | None
+    """Seconds left when this was made; None: until unpinned."""
+
+    @classmethod
+    def of(cls, pin: Pin, now: float) -> PinInfo:
+        left = None if pin.expires_at is None else max(0.0, pin.expires_at - now)
+        return cls(pin.pin_id, pin.num_tokens, len(pin.blocks), left)
+
+
 class PinnedPrefixes:
     """Pins over one single-group ``KVCacheManager``.
 

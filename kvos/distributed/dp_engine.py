@@ -1,5 +1,5 @@
-"""Several engines on a Ray cluster behind one router, with the ``AsyncEngine`` interface the
-OpenAI server drives (``kvos serve --data-parallel N``)."""
+"""Several engines (Ray actors or local processes) behind one router, with the ``AsyncEngine``
+interface the OpenAI server drives (``kvos serve --data-parallel N``)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
-from kvos.distributed.worker import EngineInfo, EngineWorker, PollResult
+from kvos.cache.pins import PinInfo
+from kvos.distributed.engines import TRANSPORTS, EngineDied, ProcessEngines, RayEngines
+from kvos.distributed.worker import EngineInfo, PollResult
 from kvos.engine.sampling_params import SamplingParams
 from kvos.router.policies import DEFAULT_KV_WEIGHT, EngineLoad, Router, make_router
 from kvos.serve.async_engine import EngineStopped, EngineUnavailable, RequestStream, _Stream
@@ -32,7 +34,7 @@ class _InFlight:
     predicted: int
     delivered: bool = False
     transfer: Any = None
-    """Disaggregated prefill: the prefill engine's ``extract`` (a Ray object reference)."""
+    """Disaggregated prefill: the prefill engine's ``extract``, begun (``begin``)."""
 
 
 @dataclass
@@ -56,31 +58,33 @@ class RouterStats:
 
 
 class DataParallelEngine:
-    """``num_engines`` ``EngineWorker`` actors (one per GPU on a GPU host, else processes sharing
-    the CPUs) on the Ray cluster at ``address`` (``None``: start a local one, or join the one
-    ``RAY_ADDRESS`` names), and a router (``kvos.router``) choosing one per request.
+    """``num_engines`` ``EngineWorker``s (one per GPU on a GPU host, else processes sharing the
+    CPUs) and a router (``kvos.router``) choosing one per request. ``transport="ray"``: actors
+    on the Ray cluster at ``address`` (``None``: start a local one, or join the one
+    ``RAY_ADDRESS`` names); ``"process"``: local processes, no Ray (one engine this way puts
+    the engine loop in a process of its own, off the HTTP server's interpreter).
 
     Everything here runs on the server's event loop: one poll task per engine delivers outputs
     to streams, feeds KV events to the router (resyncing from a snapshot on a gap) and keeps the
-    engine's load current. Faults: an engine whose actor dies is dropped by the router at once;
+    engine's load current. Faults: an engine that dies is dropped by the router at once;
     its requests that have sent nothing to the client yet, or are not streamed (``retriable``),
     are sent to another engine under the same id; a stream already under way ends with an
-    error. Ray restarts the actor (``max_restarts``); once it answers, the router takes it back
-    with an empty cache.
+    error. The engine is restarted (``max_restarts``: by Ray, or here for a process); once it
+    answers, the router takes it back with an empty cache.
 
     Disaggregated prefill (``prefill_engines`` P > 0): P more engines compute prompts. A request
     first runs on a prefill engine (chosen by its own router of the same policy) for one token;
-    its prompt's full blocks are then read there (``EngineWorker.extract``), move through Ray's
-    object store (shared memory on one host) into the chosen decode engine's transfer tier, and
+    its prompt's full blocks are then read there (``EngineWorker.extract``), move (through Ray's
+    object store, or the front end's pipes) into the chosen decode engine's transfer tier, and
     the request runs on that engine, which loads them as tier hits and computes only the rest of
     the prompt. Engines ``0 .. num_engines - 1`` decode; ``num_engines ..`` prefill.
     """
 
     def __init__(self, engine_kwargs: dict, num_engines: int, router: str = "kv_aware",
                  address: str | None = None, kv_weight: float = DEFAULT_KV_WEIGHT, max_restarts: int = 3,
-                 poll_s: float = 0.2, prefill_engines: int = 0) -> None:
-        import ray
-
+                 poll_s: float = 0.2, prefill_engines: int = 0, transport: str = "ray") -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_engines < 1:
             raise ValueError(f"data_parallel must be >= 1, got {num_engines}")
         if prefill_engines < 0:
@@ -90,27 +94,19 @@ class DataParallelEngine:
         if prefill_engines:  # decode engines receive the prompts' blocks
             kwargs[:num_engines] = [{**engine_kwargs, "kv_transfer_gb": engine_kwargs.get("kv_transfer_gb") or 1.0}
                                     ] * num_engines
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-        gpus = ray.cluster_resources().get("GPU", 0)
-        per_gpu = 1 if gpus >= total else 0
-        cpus = ray.cluster_resources().get("CPU", 1)
-        threads = max(1, int(cpus // total))
-        worker = ray.remote(EngineWorker)
-        self.actors = [worker.options(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts, max_concurrency=8,
-                                      ).remote(kwargs[i], i, threads) for i in range(total)]
-        infos: list[EngineInfo] = ray.get([a.info.remote() for a in self.actors])
+        self.transport = transport
+        self.engines = (RayEngines(kwargs, address, max_restarts) if transport == "ray"
+                        else ProcessEngines(kwargs, max_restarts))
+        infos: list[EngineInfo] = [self.engines.call_sync(i, "info") for i in range(total)]
         self.info = infos[0]
         if len({i.model_id for i in infos}) != 1:
             raise RuntimeError("data_parallel: the engines loaded different models")
-        self.tokenizer = ray.get(self.actors[0].tokenizer.remote())
+        self.tokenizer = self.engines.call_sync(0, "tokenizer")
         self.max_model_len = self.info.max_model_len
         self.model_id = self.info.model_id
         self.block_size = self.info.block_size
         self.router_name = router
-        self.engine_stats: list[dict] = ray.get([a.stats.remote() for a in self.actors])
+        self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]
         capacity = max(1, self.engine_stats[0].get("total") or 2000)  # approx remembers a pool's worth
         self.num_decode = num_engines
         self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity_blocks=capacity)
@@ -128,7 +124,7 @@ class DataParallelEngine:
     # -- the AsyncEngine interface ---------------------------------------------------------
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._poll_loop(i)) for i in range(len(self.actors))]
+        self._tasks = [loop.create_task(self._poll_loop(i)) for i in range(len(self.engines))]
 
     async def stop_polling(self) -> None:
         """Cancel the poll tasks and wait for them (on the loop that ``start`` ran on)."""
@@ -138,14 +134,9 @@ class DataParallelEngine:
         self._tasks = []
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        import ray
-
         for t in self._tasks:
             t.cancel()
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        if self._started_ray:
-            ray.shutdown()
+        self.engines.shutdown()
 
     def _hashes(self, ids: list[int], salt: str | None) -> list[bytes]:
         hashes: list[bytes] = []
@@ -211,8 +202,8 @@ class DataParallelEngine:
                         rec.hashes, 0)
         self._inflight[pre.request_id] = pre
         try:
-            await self.actors[i].add.remote(pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
-                                            rec.priority, rec.salt)
+            await self.engines.call(i, "add", pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
+                                    rec.priority, rec.salt)
             self._count(i, pre)
             self.router_stats.routed[i] += 1
             while True:
@@ -221,7 +212,7 @@ class DataParallelEngine:
                     raise item
                 if item.finished:
                     break
-            rec.transfer = self.actors[i].extract.remote(rec.hashes)
+            rec.transfer = self.engines.begin(i, "extract", rec.hashes)
             self.router_stats.prefills += 1
         except Exception as err:
             log.warning("prefill of %s failed (%s); its decode engine computes the prompt", rec.request_id, err)
@@ -231,8 +222,6 @@ class DataParallelEngine:
     async def _send(self, rec: _InFlight) -> None:
         """Choose an engine for ``rec`` and add it there (another, if that one is found dead);
         a prefilled request's blocks are stored there first."""
-        from ray.exceptions import RayActorError
-
         while True:
             if not self.engines_up():
                 raise EngineUnavailable("no engine is up to take this request; retry later")
@@ -242,12 +231,12 @@ class DataParallelEngine:
             try:
                 if rec.transfer is not None:
                     t0 = time.perf_counter()
-                    self.router_stats.transferred_blocks += await self.actors[e].receive.remote(rec.transfer)
+                    self.router_stats.transferred_blocks += await self.engines.call(e, "receive", rec.transfer)
                     self.router_stats.transfer_s += time.perf_counter() - t0
                     rec.transfer = None
-                await self.actors[e].add.remote(rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
-                                                rec.priority, rec.salt)
-            except RayActorError:
+                await self.engines.call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
+                                        rec.priority, rec.salt)
+            except EngineDied:
                 self._inflight.pop(rec.request_id, None)
                 self._engine_down(e)
                 continue
@@ -264,10 +253,24 @@ class DataParallelEngine:
     def abort(self, request_id: str) -> None:
         rec = self._inflight.pop(request_id, None)
         if rec is not None and not self.down[rec.engine]:
-            self.actors[rec.engine].abort.remote(request_id)
+            self.engines.notify(rec.engine, "abort", request_id)
 
-    async def pin(self, prompt, ttl_s: float | None, cache_salt: str | None):
-        raise ValueError("prompt: pinned prefixes need a single engine; this server runs --data-parallel")
+    def _single(self) -> None:
+        if len(self.engines) != 1:
+            raise ValueError("prompt: pinned prefixes need a single engine; this server runs --data-parallel")
+
+    async def pin(self, prompt, ttl_s: float | None, cache_salt: str | None) -> PinInfo:
+        """With one engine (``--transport process``): pin on it."""
+        self._single()
+        return await self.engines.call(0, "pin", self._tokenize(prompt)["prompt_token_ids"], ttl_s, cache_salt)
+
+    async def list_pins(self, pin_ids: set[str]) -> list[PinInfo]:
+        self._single()
+        return await self.engines.call(0, "list_pins", pin_ids)
+
+    async def unpin(self, pin_id: str) -> bool:
+        self._single()
+        return await self.engines.call(0, "unpin", pin_id)
 
     async def call(self, fn):
         raise ValueError("this operation needs a single engine; this server runs --data-parallel")
@@ -292,15 +295,13 @@ class DataParallelEngine:
 
     # -- engines ---------------------------------------------------------------------------
     async def _poll_loop(self, i: int) -> None:
-        from ray.exceptions import RayActorError
-
         while True:
             if self.down[i]:
                 await self._await_restart(i)
                 continue
             try:
-                res: PollResult = await self.actors[i].poll.remote(self.poll_s)
-            except RayActorError:
+                res: PollResult = await self.engines.call(i, "poll", self.poll_s)
+            except EngineDied:
                 self._engine_down(i)
                 continue
             except asyncio.CancelledError:
@@ -333,7 +334,7 @@ class DataParallelEngine:
             if not router.on_events(local, batch):
                 self.router_stats.resyncs += 1
                 try:
-                    router.on_snapshot(local, await self.actors[i].snapshot.remote())
+                    router.on_snapshot(local, await self.engines.call(i, "snapshot"))
                 except Exception:  # the engine died meanwhile: its poll notices
                     break
         self.loads[i] = res.load
@@ -343,7 +344,7 @@ class DataParallelEngine:
         """Engine ``i``'s actor died: stop routing to it, move or cut its requests."""
         if self.down[i]:
             return
-        log.warning("engine %d died; routing around it until Ray restarts it", i)
+        log.warning("engine %d died; routing around it until it is restarted", i)
         self.down[i] = True
         self.router_stats.engine_failures += 1
         self.loads[i] = EngineLoad()
@@ -370,10 +371,9 @@ class DataParallelEngine:
             rec.stream.queue.put_nowait(EngineUnavailable(f"its engine failed and no other could take it: {err}"))
 
     async def _await_restart(self, i: int) -> None:
-        """Ping until Ray has restarted engine ``i``, then route to it again (an empty cache)."""
-        try:
-            await asyncio.wait_for(self.actors[i].ping.remote(), timeout=5)
-        except Exception:
+        """Wait until engine ``i`` is restarted and answers, then route to it again (an empty
+        cache)."""
+        if not await self.engines.revive(i):
             await asyncio.sleep(1.0)
             return
         log.info("engine %d is back", i)

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvos.cache.events import KVEventBatch, KVSnapshot
+from kvos.cache.pins import PinInfo
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
 from kvos.router.policies import EngineLoad
@@ -146,6 +147,29 @@ class EngineWorker:
             return 0
         assert self.engine.offload is not None
         return self.engine.offload.receive(hashes, rows)
+
+    def pin(self, prompt_token_ids: list[int], ttl_s: float | None, cache_salt: str | None) -> PinInfo:
+        """Compute and pin a prefix (``LLMEngine.pin_prefix``); returns once it is pinned.
+        Raises ``ValueError`` (naming the field) if the engine refuses it."""
+        done = threading.Event()
+        box: list = [None]
+
+        def on_done(result) -> None:
+            box[0] = result if isinstance(result, Exception) else PinInfo.of(result, time.monotonic())
+            done.set()
+
+        self._call(lambda: self.engine.pin_prefix({"prompt_token_ids": prompt_token_ids}, ttl_s, cache_salt,
+                                                  on_done=on_done))
+        done.wait()
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
+    def list_pins(self, pin_ids: set[str]) -> list[PinInfo]:
+        return self._call(lambda: self.engine.pin_infos(pin_ids))
+
+    def unpin(self, pin_id: str) -> bool:
+        return self._call(lambda: self.engine.unpin_prefix(pin_id))
 
     def snapshot(self) -> KVSnapshot:
         """Every cached hash now (for a subscriber that missed a batch); runs on the stepping

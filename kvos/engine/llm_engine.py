@@ -7,7 +7,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import build_layout
-from kvos.cache.pins import Pin, PinnedPrefixes
+from kvos.cache.pins import Pin, PinInfo, PinnedPrefixes
 from kvos.config import EngineConfig
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
@@ -289,6 +289,13 @@ class LLMEngine:
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pin (its blocks become evictable again); False if there is none."""
         return self.pins is not None and self.pins.unpin(pin_id)
+
+    def pin_infos(self, pin_ids: Collection[str]) -> list[PinInfo]:
+        """The live pins among ``pin_ids``, as a client sees them."""
+        if self.pins is None:
+            return []
+        now = time.monotonic()
+        return [PinInfo.of(p, now) for p in self.pins.pins.values() if p.pin_id in pin_ids]
 
     def _take_pins(self, finished_ids: list[str]) -> None:
         for rid in finished_ids:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvos
+from kvos.cache.pins import PinInfo
 from kvos.engine.chat import chat_prompt_ids, has_chat_template
 from kvos.engine.llm_engine import LLMEngine
 from kvos.engine.sampling_params import SamplingParams
@@ -276,14 +277,12 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     @v1.get("/cache/pins")
     async def list_pins(request: Request):
         mine = _tenant_pins(state, request)
-        pins = await state.async_engine.call(lambda: [p for p in engine.pins.pins.values() if p.pin_id in mine]
-                                             if engine.pins is not None else [])
+        pins = await state.async_engine.list_pins(mine)
         return {"object": "list", "data": [{"object": "cache.pin", **_pin_json(p)} for p in pins]}
 
     @v1.delete("/cache/pins/{pin_id}")
     async def unpin_prefix(pin_id: str, request: Request):
-        if pin_id not in _tenant_pins(state, request) or not await state.async_engine.call(
-                lambda: engine.unpin_prefix(pin_id)):
+        if pin_id not in _tenant_pins(state, request) or not await state.async_engine.unpin(pin_id):
             raise APIError(404, f"pin_id: no pin {clip(pin_id)!r}", param="pin_id", code="pin_not_found")
         state.pin_tenants.pop(pin_id, None)
         return {"object": "cache.pin.deleted", "id": pin_id, "deleted": True}
@@ -398,10 +397,9 @@ def _tenant_pins(state: ServerState, request: Request) -> set[str]:
     return {pin_id for pin_id, t in state.pin_tenants.items() if t == tenant}
 
 
-def _pin_json(pin) -> dict:
-    left = None if pin.expires_at is None else max(0.0, pin.expires_at - time.monotonic())
-    return {"id": pin.pin_id, "pinned_tokens": pin.num_tokens, "pinned_blocks": len(pin.blocks),
-            "expires_in_s": left}
+def _pin_json(pin: PinInfo) -> dict:
+    return {"id": pin.pin_id, "pinned_tokens": pin.num_tokens, "pinned_blocks": pin.num_blocks,
+            "expires_in_s": pin.expires_in_s}
 
 
 def _returns_token_ids(state: ServerState, body) -> bool:

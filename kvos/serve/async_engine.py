@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from kvos.cache.pins import PinInfo
 from kvos.engine.llm_engine import LLMEngine
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
@@ -87,9 +88,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id, None, None))
 
-    async def pin(self, prompt, ttl_s: float | None, cache_salt: str | None):
-        """Compute and pin a prefix on the engine thread; returns the engine's ``Pin``. Raises
-        ``ValueError`` (naming the field) if the engine refuses it."""
+    async def pin(self, prompt, ttl_s: float | None, cache_salt: str | None) -> PinInfo:
+        """Compute and pin a prefix on the engine thread. Raises ``ValueError`` (naming the
+        field) if the engine refuses it."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -97,12 +98,20 @@ class AsyncEngine:
             if isinstance(result, Exception):
                 loop.call_soon_threadsafe(_settle, done, result)
             else:
-                loop.call_soon_threadsafe(_resolve, done, result)
+                loop.call_soon_threadsafe(_resolve, done, PinInfo.of(result, time.monotonic()))
 
         accepted = loop.create_future()
         self._submit(("pin", (prompt, ttl_s, cache_salt, on_done), _Stream(loop, asyncio.Queue()), accepted))
         await accepted
         return await done
+
+    async def list_pins(self, pin_ids: set[str]) -> list[PinInfo]:
+        """The live pins among ``pin_ids``."""
+        return await self.call(lambda: self.engine.pin_infos(pin_ids))
+
+    async def unpin(self, pin_id: str) -> bool:
+        """Release a pin; False if there is none."""
+        return await self.call(lambda: self.engine.unpin_prefix(pin_id))
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread between steps; returns its result."""

@@ -1,0 +1,263 @@
+"""Where the engines of a front end run: Ray actors, or plain local processes (no Ray).
+
+Both hold ``EngineWorker``s and expose one contract to ``DataParallelEngine``: ``call(i, method,
+*args)`` runs ``EngineWorker.method`` on engine ``i`` and is awaited for its result; a dead
+engine raises ``EngineDied``; ``revive(i)`` returns True once engine ``i`` answers again (Ray
+restarts actors itself; local processes are started anew here).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+log = logging.getLogger("kvos.distributed")
+
+TRANSPORTS = ("ray", "process")
+
+
+class EngineDied(RuntimeError):
+    """The engine's process or actor is gone; its calls in flight fail with this."""
+
+
+class RayEngines:
+    """One ``EngineWorker`` actor per engine on the Ray cluster at ``address`` (None: start a
+    local one, or join the one ``RAY_ADDRESS`` names); one GPU each when the cluster has a GPU
+    per engine. Ray restarts a dead actor up to ``max_restarts`` times."""
+
+    def __init__(self, kwargs: list[dict], address: str | None, max_restarts: int) -> None:
+        import ray
+
+        from kvos.distributed.worker import EngineWorker
+
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        n = len(kwargs)
+        per_gpu = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
+        threads = max(1, int(ray.cluster_resources().get("CPU", 1) // n))
+        worker = ray.remote(EngineWorker)
+        self.actors = [worker.options(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts, max_concurrency=8,
+                                      ).remote(kwargs[i], i, threads) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call_sync(self, i: int, method: str, *args) -> Any:
+        import ray
+
+        return ray.get(getattr(self.actors[i], method).remote(*args))
+
+    def begin(self, i: int, method: str, *args) -> Any:
+        """Start a call whose result is only passed on to another engine's ``call`` (an object
+        reference: the bytes go through Ray's object store, never through this process)."""
+        return getattr(self.actors[i], method).remote(*args)
+
+    async def call(self, i: int, method: str, *args) -> Any:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self.actors[i], method).remote(*args)
+        except RayActorError as err:
+            raise EngineDied(f"engine {i}: {err}") from err
+
+    def notify(self, i: int, method: str, *args) -> None:
+        """Fire and forget (abort)."""
+        getattr(self.actors[i], method).remote(*args)
+
+    async def revive(self, i: int) -> bool:
+        try:
+            await asyncio.wait_for(self.call(i, "ping"), timeout=5)
+            return True
+        except Exception:
+            return False
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _serve_engine(conn, kwargs: dict, index: int, threads: int, gpu: str | None, log_level: int) -> None:
+    """An engine process: build the ``EngineWorker``, then answer calls until the pipe closes.
+    Calls run on a pool of threads (a ``poll`` waits for news while an ``add`` goes through);
+    replies share the pipe under a lock."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvos.distributed.worker import EngineWorker
+
+    try:
+        worker = EngineWorker(kwargs, index, threads)
+    except BaseException as err:  # the parent's start-up call sees it
+        conn.send((0, False, RuntimeError(f"engine {index} failed to start: {err!r}")))
+        return
+    conn.send((0, True, None))
+    lock = threading.Lock()
+    pool = ThreadPoolExecutor(8, thread_name_prefix=f"kvos-engine-{index}-rpc")
+
+    def run(call_id: int, method: str, args: tuple) -> None:
+        try:
+            reply = (call_id, True, getattr(worker, method)(*args))
+        except BaseException as err:
+            reply = (call_id, False, err)
+        try:
+            with lock:
+                conn.send(reply)
+        except (OSError, ValueError):
+            pass  # the parent is gone
+        except Exception as err:  # an unpicklable result or error
+            with lock:
+                conn.send((call_id, False, RuntimeError(f"{method}: {err!r}")))
+
+    while True:
+        try:
+            call_id, method, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        pool.submit(run, call_id, method, args)
+    worker.shutdown()
+    os._exit(0)
+
+
+class _Process:
+    """One engine process and its pipe; ``reader`` resolves the futures of calls in flight."""
+
+    def __init__(self, ctx, kwargs: dict, index: int, threads: int, gpu: str | None) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_engine, args=(child, kwargs, index, threads, gpu,
+                                                            logging.getLogger().getEffectiveLevel()),
+                                name=f"kvos-engine-{index}", daemon=True)
+        self.proc.start()
+        child.close()
+        self.index = index
+        self.lock = threading.Lock()
+        self.pending: dict[int, Future] = {}
+        self.ids = itertools.count(1)
+        self.alive = True
+        started: Future = Future()
+        self.pending[0] = started
+        self.reader = threading.Thread(target=self._read, name=f"kvos-engine-{index}-reader", daemon=True)
+        self.reader.start()
+        started.result()  # raises if the engine failed to start
+
+    def call(self, method: str, args: tuple) -> Future:
+        fut: Future = Future()
+        with self.lock:
+            if not self.alive:
+                fut.set_exception(EngineDied(f"engine {self.index} is down"))
+                return fut
+            call_id = next(self.ids)
+            self.pending[call_id] = fut
+            try:
+                self.conn.send((call_id, method, args))
+            except (OSError, ValueError) as err:
+                del self.pending[call_id]
+                fut.set_exception(EngineDied(f"engine {self.index}: {err}"))
+        return fut
+
+    def _read(self) -> None:
+        while True:
+            try:
+                call_id, ok, value = self.conn.recv()
+            except (EOFError, OSError, TypeError):  # (TypeError: closed by ``stop`` meanwhile)
+                break
+            with self.lock:
+                fut = self.pending.pop(call_id, None)
+            if fut is not None:
+                fut.set_result(value) if ok else fut.set_exception(value)
+        with self.lock:
+            self.alive = False
+            pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            fut.set_exception(EngineDied(f"engine {self.index} exited (code {self.proc.exitcode})"))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class ProcessEngines:
+    """One ``EngineWorker`` per local process (``spawn``), no Ray: ``kvos serve --transport
+    process``. With a GPU per engine, engine ``i`` sees only GPU ``i`` (``CUDA_VISIBLE_DEVICES``).
+    A dead process is started anew by ``revive``, up to ``max_restarts`` times per engine."""
+
+    def __init__(self, kwargs: list[dict], max_restarts: int) -> None:
+        n = len(kwargs)
+        self._ctx = mp.get_context("spawn")
+        self._kwargs = kwargs
+        gpus = _visible_gpus() if any(k.get("device", "auto") != "cpu" for k in kwargs) else []
+        self._gpu = [gpus[i] if len(gpus) >= n else None for i in range(n)]
+        self._threads = max(1, (os.cpu_count() or 1) // n)
+        self._restarts = [max_restarts] * n
+        self.procs = [_Process(self._ctx, kwargs[i], i, self._threads, self._gpu[i]) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def call_sync(self, i: int, method: str, *args) -> Any:
+        return self.procs[i].call(method, args).result()
+
+    def begin(self, i: int, method: str, *args) -> Future:
+        """Start a call whose result is passed on to another engine's ``call`` (which waits for it)."""
+        return self.procs[i].call(method, args)
+
+    async def call(self, i: int, method: str, *args) -> Any:
+        args = tuple([await asyncio.wrap_future(a) if isinstance(a, Future) else a for a in args])
+        return await asyncio.wrap_future(self.procs[i].call(method, args))
+
+    def notify(self, i: int, method: str, *args) -> None:
+        self.procs[i].call(method, args)
+
+    async def revive(self, i: int) -> bool:
+        p = self.procs[i]
+        if p.alive:
+            return True
+        if self._restarts[i] <= 0:
+            await asyncio.sleep(1.0)
+            return False
+        self._restarts[i] -= 1
+        p.stop(1.0)
+        try:
+            self.procs[i] = await asyncio.to_thread(_Process, self._ctx, self._kwargs[i], i, self._threads,
+                                                    self._gpu[i])
+        except Exception:
+            log.exception("engine %d: restart failed", i)
+            return False
+        return True
+
+    def kill(self, i: int) -> None:
+        """Kill engine ``i``'s process (fault injection for tests)."""
+        self.procs[i].proc.kill()
+
+    def shutdown(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them, without
+    initialising CUDA here (the children do)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:
+        return []
