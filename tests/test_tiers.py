@@ -344,3 +344,46 @@ def test_cpu_tier_preallocates_every_slot_once_sized():
     assert arena.reserved_bytes == reserved and tier.stats.evictions == 2
     assert not tier.put(b"x" * 16, bytes(999)) and tier.stats.skipped_writes == 1
     assert CPUTier(100).preallocate(1000) == 0  # not one slot fits
+
+
+def test_cpu_tier_grows_in_the_background_while_it_stores():
+    """``preallocate(background=True)``: a thread adds the chunks (slowly, outside the lock) while
+    puts go on; until it is done the tier stores into the slots it has and evicts rather than
+    growing itself, it never holds more than its capacity, and it ends with every slot."""
+    import threading
+
+    from kvos.cache.tiers import allocate_bytearray
+
+    gate = threading.Event()
+    calls = []
+
+    def slow(nbytes: int) -> memoryview:
+        calls.append(nbytes)
+        if len(calls) == 2:
+            assert gate.wait(30)  # the second chunk arrives only when the test says so
+        return allocate_bytearray(nbytes)
+
+    tier = CPUTier(40 * 1088, slow, chunk_bytes=10 * 1088)  # 40 slots of 1,088 bytes, 10 a chunk
+    assert tier.preallocate(1000, background=True) == 0
+    for _ in range(200):  # the first chunk lands
+        if tier.arena.chunks:
+            break
+        threading.Event().wait(0.01)
+    assert len(tier.arena.chunks) == 1 and not tier.preallocated.is_set()
+    for i in range(15):  # 10 slots so far: the last 5 puts evict, none grows the arena
+        assert tier.put(bytes([i]) * 16, bytes([i]) * 1000)
+    assert len(tier.arena.chunks) == 1 and tier.stats.evictions == 5 and len(calls) == 2
+    gate.set()
+    assert tier.preallocated.wait(30)
+    assert tier.arena.reserved_bytes == 40 * 1088 and tier.free_slots() == 30 and len(calls) == 4
+    assert bytes(tier.get(bytes([14]) * 16)) == bytes([14]) * 1000
+    for i in range(15, 45):  # room for 30 more before the next eviction
+        tier.put(bytes([i]) * 16, bytes(1000))
+    assert tier.stats.evictions == 5 and tier.free_slots() == 0
+    gate2 = threading.Event()
+    empty = CPUTier(10 * 1088, lambda n: (gate2.wait(30), allocate_bytearray(n))[1], chunk_bytes=10 * 1088)
+    empty.preallocate(1000, background=True)
+    assert not empty.put(b"k" * 16, bytes(1000)) and empty.stats.skipped_writes == 1  # no slot yet: skipped
+    assert empty.reserve(b"k" * 16, 1000) is None and empty.reserve(b"k" * 16, 1000, evict_wanted=False) is False
+    gate2.set()
+    assert empty.preallocated.wait(30) and empty.put(b"k" * 16, bytes(1000))

@@ -161,13 +161,8 @@ class LLMEngine:
                                     transfer_gb=config.kv_transfer_gb,
                                     device_verify=config.tier_verify == "device" or (
                                         config.tier_verify == "auto" and self.runner.device.type == "cuda"))
-        t_tiers = time.perf_counter()
         self.offload = (OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler, config.tier_lookahead)
                         if hierarchy else None)
-        if self.offload is not None and self.offload.cpu is not None and self.offload.cpu.arena is not None:
-            self.startup_s["cpu_tier_pin"] = time.perf_counter() - t_tiers
-            log.info("CPU tier: %.1f GiB of slots pinned in %.1f s", self.offload.cpu.arena.reserved_bytes / 2**30,
-                     self.startup_s["cpu_tier_pin"])
         if config.preemption_mode == "swap":
             self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))
         self._groups: dict[str, _Group] = {}

@@ -114,8 +114,8 @@ class OffloadManager:
         self.pool = pool
         self.scheduler = scheduler
         self.tier_io = TierIO(hierarchy, runner)
-        if self.cpu is not None and runner.device.type == "cuda":  # pin every slot now, not mid-run
-            self.cpu.preallocate(runner.block_bytes)
+        if self.cpu is not None and runner.device.type == "cuda":  # pin every slot up front, not mid-run
+            self.cpu.preallocate(runner.block_bytes, background=True)
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-tier-io")
         self.pending: list[tuple[PrefixLoad, Future[LoadedBlocks]]] = []
         self.storing: list[tuple[Future[None], list[KVBlock]]] = []

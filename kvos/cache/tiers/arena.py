@@ -63,6 +63,9 @@ class SlotArena:
         self._held_seq: list[BlockHash] = []  # in the order they left the front (a key may recur)
         self._held_heap: list[tuple[int, int, int, BlockHash]] = []  # (-rank, -depth, seq, key)
         self._held_for: Demand | None = None
+        self.grow_on_demand = True
+        """False while the owner grows the arena itself (``add_chunk``, e.g. from a background
+        thread): ``alloc`` then only takes free slots."""
 
     def __len__(self) -> int:
         return len(self._lru) + len(self._held)
@@ -96,24 +99,37 @@ class SlotArena:
         return held[0]
 
     def alloc(self) -> int | None:
-        """A free slot (growing by a chunk if none is free), or None when every slot is bound."""
-        if not self._free and not self.grow():
+        """A free slot (growing by a chunk if none is free and ``grow_on_demand``), or None."""
+        if not self._free and not (self.grow_on_demand and self.grow()):
             return None
         return self._free.pop()
 
+    def has_free(self) -> bool:
+        """A slot is free now, or ``alloc`` would grow the arena for one."""
+        return bool(self._free) or (self.grow_on_demand and self._num_slots < self.capacity_slots)
+
+    def next_chunk_bytes(self) -> int:
+        """Bytes of the next chunk ``grow`` would allocate; 0 once the capacity is reached."""
+        return min(self.slots_per_chunk, self.capacity_slots - self._num_slots) * self.stride
+
     def grow(self) -> bool:
         """Allocate one more chunk of slots; False when the capacity is reached. (``alloc``
-        grows on demand; an owner that wants every slot up front calls this until False.)"""
-        if self._num_slots == self.capacity_slots:
+        grows on demand; an owner that wants every slot up front calls this until False, or
+        allocates ``next_chunk_bytes`` itself and hands them to ``add_chunk``.)"""
+        nbytes = self.next_chunk_bytes()
+        if not nbytes:
             return False
-        n = min(self.slots_per_chunk, self.capacity_slots - self._num_slots)
-        mem = self.allocate(n * self.stride)
-        if len(mem) != n * self.stride:
-            raise ValueError(f"allocate({n * self.stride}) returned {len(mem)} bytes")
+        self.add_chunk(self.allocate(nbytes))
+        return True
+
+    def add_chunk(self, mem: memoryview) -> None:
+        """Add a chunk of exactly ``next_chunk_bytes`` bytes (from ``allocate``) as free slots."""
+        n = len(mem) // self.stride
+        if not len(mem) or len(mem) != self.next_chunk_bytes():
+            raise ValueError(f"a chunk of {len(mem)} bytes; the next one is {self.next_chunk_bytes()}")
         self.chunks.append(mem)
         self._free[:0] = range(self._num_slots + n - 1, self._num_slots - 1, -1)  # popped after older free slots
         self._num_slots += n
-        return True
 
     def bind(self, key: BlockHash, slot: int) -> None:
         """``key`` now lives in ``slot`` (from ``alloc`` or ``evict``), most recently used."""

@@ -1,12 +1,16 @@
 """CPU-memory tier: framed blocks in the fixed-size slots of a ``SlotArena``."""
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers.arena import DEFAULT_CHUNK_BYTES, Allocate, Demand, SlotArena, allocate_bytearray
 from kvos.cache.tiers.base import Tier
 from kvos.cache.tiers.codec import HEADER_SIZE, PLAIN, Digest, DigestCodec
+
+log = logging.getLogger("kvos.tiers")
 
 
 class CPUTier(Tier):
@@ -45,6 +49,8 @@ class CPUTier(Tier):
         self.chunk_bytes = chunk_bytes
         self.arena: SlotArena | None = None  # made by the first put that fits
         self._demand: Demand = {}
+        self.preallocated = threading.Event()
+        """Set once ``preallocate`` has allocated every slot (never set without it)."""
 
     def set_demand(self, demand: Demand) -> None:
         """Blocks the waiting queue will hit: evicted last (``SlotArena``). Any thread."""
@@ -109,13 +115,17 @@ class CPUTier(Tier):
 
     def _take_slot(self, size: int, evict_wanted: bool = True) -> int | None:
         """A slot of ``size`` bytes taken off the free list or from the block evicted (None,
-        counted, when this size cannot be stored; None, uncounted, when only a block a waiting
-        request wants could go and not ``evict_wanted``). Under ``self.lock``."""
+        counted, when this size cannot be stored, or no slot is free and none is bound: all
+        reserved, or none allocated yet; None, uncounted, when only a block a waiting request
+        wants could go and not ``evict_wanted``). Under ``self.lock``."""
         if not self._sized(size):
             self.stats.skipped_writes += 1
             return None
         slot = self.arena.alloc()
         if slot is None:
+            if not len(self.arena):
+                self.stats.skipped_writes += 1
+                return None
             got = self.arena.evict(evict_wanted)
             if got is None:
                 return None
@@ -125,16 +135,46 @@ class CPUTier(Tier):
                 self.on_evict(old_key, self._frame(slot))
         return slot
 
-    def preallocate(self, payload_bytes: int) -> int:
-        """Size the slots for payloads of ``payload_bytes`` and allocate all of them now (the
+    def preallocate(self, payload_bytes: int, background: bool = False) -> int:
+        """Size the slots for payloads of ``payload_bytes`` and allocate all of them up front (the
         engine on a GPU: pinning memory is slow, and write-through must not wait for it in the
-        middle of a run); returns the bytes allocated. A no-op if the slots are sized already."""
+        middle of a run); returns the bytes allocated by then. A no-op if sized already.
+
+        ``background``: a thread allocates the chunks, outside the tier's lock, and adds each as
+        it is ready; meanwhile the tier stores into the slots it has (evicting when they are all
+        bound) instead of growing itself. ``preallocated`` is set when it is done."""
         with self.lock:
-            if not self._sized(self._LEAD + HEADER_SIZE + payload_bytes):
-                return 0
-            while self.arena.grow():
-                pass
-            return self.arena.reserved_bytes
+            if self.arena is not None or not self._sized(self._LEAD + HEADER_SIZE + payload_bytes):
+                self.preallocated.set()
+                return 0 if self.arena is None else self.arena.reserved_bytes
+            if not background:
+                while self.arena.grow():
+                    pass
+                self.preallocated.set()
+                return self.arena.reserved_bytes
+            self.arena.grow_on_demand = False
+        threading.Thread(target=self._grow_all, name="kvos-cpu-tier-pin", daemon=True).start()
+        return 0
+
+    def _grow_all(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            while True:
+                with self.lock:
+                    nbytes = self.arena.next_chunk_bytes()
+                if not nbytes:
+                    break
+                mem = self.allocate(nbytes)  # slow (pinning): never under the lock
+                with self.lock:
+                    self.arena.add_chunk(mem)
+        except Exception:  # out of pinnable memory, say: the tier keeps what it has
+            log.exception("cpu tier: allocating its slots failed; it keeps %d bytes of them", self.arena.reserved_bytes)
+        finally:
+            with self.lock:
+                self.arena.grow_on_demand = True
+            self.preallocated.set()
+        log.info("cpu tier: %.1f GiB of slots allocated in %.1f s (in the background)",
+                 self.arena.reserved_bytes / 2**30, time.perf_counter() - t0)
 
     def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
         with self.lock:
@@ -160,10 +200,9 @@ class CPUTier(Tier):
                 return None
             size = self._LEAD + HEADER_SIZE + nbytes
             if self.arena is not None and size == self.arena.slot_bytes and not evict_wanted:
-                try:
-                    slot = self._take_slot(size, evict_wanted=False)
-                except KeyError:  # every slot is reserved: the round's blocks go first
-                    return False
+                if not self.arena.has_free() and not len(self.arena):
+                    return False  # every slot is reserved: the round's blocks go first
+                slot = self._take_slot(size, evict_wanted=False)
                 if slot is None:
                     return False
             else:
