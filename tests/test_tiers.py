@@ -56,7 +56,7 @@ def test_later_turns_hit_in_each_tier_with_identical_output(tier, make_llm, refe
         assert src.get(tier, 0) > 0, src
         assert o.num_cached_tokens == sum(src.values())
     stats = {t["name"]: t for t in llm.stats()["tiers"]}
-    assert stats[tier]["hits_blocks"] > 0 and stats[tier]["stores_bytes"] > 0
+    assert stats[tier]["hits_blocks"] > 0 and stats[tier]["stores_bytes"] > 0 and stats[tier]["store_seconds"] > 0
     assert llm.stats()["used"] == 0
     from prometheus_client import generate_latest
 

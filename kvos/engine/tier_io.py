@@ -109,6 +109,7 @@ class TierIO:
             lower = [t for t in self.h.tiers if t.receives_stores and t is not self.slots]
             todo = list(range(len(block_ids)))
             while todo:  # one round, unless the tier is full of blocks waiting requests want
+                t_round = time.perf_counter()
                 reserved: list[tuple[int, BlockHash, int, memoryview]] = []
                 try:
                     rest = []
@@ -130,6 +131,8 @@ class TierIO:
                     raise
                 for i, key, slot, payload in reserved:
                     self.slots.commit(key, slot, host_digests[i] if host_digests is not None else None)
+                with self.slots.lock:
+                    self.slots.stats.store_seconds += time.perf_counter() - t_round
                 for i, key, _, payload in reserved:  # a payload view is valid until the next put into the tier
                     for tier in lower:
                         t0 = time.perf_counter()
