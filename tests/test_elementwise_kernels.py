@@ -9,16 +9,10 @@ round-to-nearest-even.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # No GPU: run the kernels on CPU tensors through Triton's interpreter. Triton reads the flag
-    # when a kernel is decorated, so it is set before kvos.kernels is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import CUDA  # first: before triton loads
 
 pytest.importorskip("triton")
 

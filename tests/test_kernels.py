@@ -8,21 +8,12 @@ the kernel fails to write fails the test.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # No GPU: run the kernels in Triton's interpreter on CPU tensors. triton.jit reads
-    # TRITON_INTERPRET when it decorates a function, and triton decorates its own helpers
-    # (tl.cdiv, ...) when it is first imported, so this must come before anything imports triton
-    # (setdefault: an explicit TRITON_INTERPRET=0 still wins, and then the module is skipped).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import CUDA, skip_unless_interpreted  # first: before triton loads
 
 triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from kvos.kernels import decode_attention as _decode  # noqa: E402
 from kvos.kernels.cache_write import write_kv  # noqa: E402
@@ -31,14 +22,7 @@ from kvos.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 paged_decode_attention = _decode.paged_decode_attention
 decode_num_splits = _decode.decode_num_splits
 
-if not CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not (INTERPRET and isinstance(triton.language.standard.cdiv, InterpretedFunction)
-            and isinstance(_decode._decode_split_kernel, InterpretedFunction)):
-        pytest.skip("no CUDA GPU, and triton (or kvos.kernels) was imported before "
-                    "TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment",
-                    allow_module_level=True)
+skip_unless_interpreted(_decode._decode_split_kernel)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = ([torch.float32, torch.bfloat16, torch.float16] if CUDA else [torch.float32, torch.float16])

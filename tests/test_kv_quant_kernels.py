@@ -15,18 +15,12 @@ cast is exact, so the fp8 attention tests run on CPU too.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # As in test_kernels.py: the interpreter must be chosen before anything imports triton.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import CUDA, skip_unless_interpreted  # first: before triton loads
 
 triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from kvos.kernels import decode_attention as _decode  # noqa: E402
 from kvos.kernels.cache_write import write_kv  # noqa: E402
@@ -35,14 +29,7 @@ from kvos.model import kv_quant  # noqa: E402
 
 paged_decode_attention = _decode.paged_decode_attention
 
-if not CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not (INTERPRET and isinstance(triton.language.standard.cdiv, InterpretedFunction)
-            and isinstance(_decode._decode_split_kernel, InterpretedFunction)):
-        pytest.skip("no CUDA GPU, and triton (or kvos.kernels) was imported before "
-                    "TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment",
-                    allow_module_level=True)
+skip_unless_interpreted(_decode._decode_split_kernel)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 KV_DTYPES = ["int8", "fp8_e4m3"]

@@ -9,22 +9,13 @@ the kernel runs in Triton's interpreter on small CPU tensors (milliseconds a row
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # No GPU: run the kernel in Triton's interpreter on CPU tensors. triton.jit reads
-    # TRITON_INTERPRET when it decorates a function, and triton decorates its own helpers
-    # (tl.cdiv, ...) when it is first imported, so this must come before anything imports triton
-    # (setdefault: an explicit TRITON_INTERPRET=0 still wins, and then the module is skipped).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import CUDA, skip_unless_interpreted  # first: before triton loads
 
 triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from kvos.engine.sampling_params import SamplingParams  # noqa: E402
 from kvos.kernels import top_p as _top_p  # noqa: E402
@@ -35,14 +26,7 @@ from tests.test_sampler_distribution import chi2_critical, draw, reference  # no
 top_p_threshold = _top_p.top_p_threshold
 top_p_threshold_reference = _top_p.top_p_threshold_reference
 
-if not CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not (INTERPRET and isinstance(triton.language.standard.cdiv, InterpretedFunction)
-            and isinstance(_top_p._top_p_threshold_kernel, InterpretedFunction)):
-        pytest.skip("no CUDA GPU, and triton (or kvos.kernels) was imported before "
-                    "TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment",
-                    allow_module_level=True)
+skip_unless_interpreted(_top_p._top_p_threshold_kernel)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 PS = [0.1, 0.5, 0.9, 0.95, 0.999]
