@@ -67,10 +67,17 @@ def draw(logits: torch.Tensor, params: SamplingParams, n: int, rows: int = 2000,
 ])
 @pytest.mark.parametrize("device", DEVICES)
 def test_sampled_frequencies_match_the_filtered_softmax(vocab, params, neighbour, device):
+    check_frequencies(vocab, params, device, neighbour)
+
+
+def check_frequencies(vocab: int, params: SamplingParams, device, neighbour: SamplingParams | None,
+                      n: int = 60_000) -> None:
+    """Draw ``n`` tokens from seeded random logits of ``vocab`` tokens: nothing the filters
+    remove is ever drawn, and the frequencies pass a chi-square test against the float64
+    filtered softmax."""
     torch.manual_seed(0)
     logits = torch.randn(vocab) * 3
     p = reference(logits.numpy(), params.temperature, params.top_k, params.top_p, params.min_p)
-    n = 60_000
     counts = draw(logits.to(device), params, n, neighbour=neighbour)
     assert counts[p == 0].sum() == 0  # nothing the filters removed is ever drawn
     support = p > 0
