@@ -224,7 +224,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     several = a.data_parallel > 1 or bool(a.prefill_engines)
     transport = a.transport
     if transport == "auto":
-        transport = "ray" if several else "process" if str(a.device).startswith("cuda") else "thread"
+        cuda = str(a.device).startswith("cuda")
+        transport = ("ray" if a.ray_address or not cuda else "process") if several else "process" if cuda else "thread"
     if transport == "thread" and several:
         raise SystemExit("--transport thread runs one engine; several need ray or process")
     if transport != "thread":
@@ -296,6 +297,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("kv-speed", "kv_speed", "KV in the model's dtype vs 8 bits: tokens held, long-context tok/s, decode roofline", True),
     ("policies", "policies", "eviction policies vs the offline optimum on the Mooncake traces (simulated)", False),
     ("routing", "routing", "routers across 4-64 simulated engines: hit rate, TTFT, load imbalance (Mooncake)", False),
+    ("fleet", "fleet", "several engines behind one router on multi-turn chats: hit rate, TTFT, throughput; prefill/decode transfer", True),
     ("kv-quant", "kv_quant", "quantized KV accuracy vs the model's dtype: greedy agreement, logit error, perplexity", False),
 ]
 
@@ -359,9 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--ray-address", default=None,
                     help="join this Ray cluster (e.g. auto, or HOST:6379 after 'ray start --head')")
     dp.add_argument("--transport", default="auto", choices=["auto", "ray", "process", "thread"],
-                    help="where the engines run: Ray actors; local processes without Ray (one host); or, for one "
-                         "engine, a thread of the server. auto: ray for several engines; for one, its own process "
-                         "on a CUDA device (the engine loop off the HTTP server's interpreter), a thread otherwise")
+                    help="where the engines run: Ray actors; local processes without Ray (one host; KV blocks of "
+                         "disaggregated prefill move GPU to GPU by CUDA IPC); or, for one engine, a thread of the "
+                         "server. auto: on a CUDA device, processes (ray with --ray-address); on the CPU, ray for "
+                         "several engines and a thread for one")
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
     et = sub.add_parser("export-tokenizer", help="save the model's tokenizer as a Hugging Face tokenizer folder "

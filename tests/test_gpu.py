@@ -295,3 +295,34 @@ def test_top_p_threshold_kernel_matches_the_float64_rule_at_full_size():
     near = ((mass_above(probs) - p.double()[:, None]).abs() <= 1e-5).any(dim=-1)
     assert (tau == ref)[~near].all()
     assert (~near).sum() >= R // 8  # (59 rows: most flat rows have a token that close)
+
+
+def test_disaggregated_prefill_moves_blocks_by_cuda_ipc(folder):
+    """1 prefill + 1 decode engine as local processes on this host's GPUs (one GPU: both on it;
+    two: one each, peer copies): the prompt's blocks reach the decode engine's pool GPU to GPU,
+    count as its prefix hits, and the outputs equal one engine's."""
+    from kvos import LLM
+    from kvos.distributed import DataParallelLLM
+
+    path, _ = folder
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (90 + 37 * i,), generator=g).tolist() for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(model=str(path), device="cuda", dtype="float32", num_blocks=64, block_size=16)
+    llm = LLM(**kw)
+    refs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    block_bytes = llm.engine.runner.block_bytes
+    del llm
+    with DataParallelLLM(1, "kv_aware", prefill_engines=1, transport="process", **kw) as dp:
+        outs = dp.generate(prompts, sp)
+        stats = dp.stats()
+    blocks = 0
+    for out, ref, p in zip(outs, refs, prompts):
+        full = (len(p) - 1) // 16
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.metrics["engine"] == 0 and out.num_cached_tokens == full * 16
+        assert out.metrics["cached_tokens_by_source"].get("device") == full * 16  # adopted, not a tier's
+        blocks += full
+    r = stats["router"]
+    assert r["prefills"] == 4 and r["transferred_blocks"] == blocks
+    assert r["transferred_bytes"] == blocks * block_bytes

@@ -6,11 +6,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.pins import PinInfo
+from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.distributed.engines import TRANSPORTS, EngineDied, ProcessEngines, RayEngines
 from kvos.distributed.worker import EngineInfo, PollResult
 from kvos.engine.sampling_params import SamplingParams
@@ -33,8 +34,8 @@ class _InFlight:
     hashes: list[bytes]
     predicted: int
     delivered: bool = False
-    transfer: Any = None
-    """Disaggregated prefill: the prefill engine's ``extract``, begun (``begin``)."""
+    prefill_engine: int = -1
+    """Disaggregated prefill: the engine that computed the prompt, until its blocks are handed over."""
 
 
 @dataclass
@@ -55,6 +56,8 @@ class RouterStats:
     transferred_blocks: int = 0
     transfer_s: float = 0.0
     """Wall time from a prefill's end to its blocks stored on the decode engine."""
+    transferred_bytes: int = 0
+    """Bytes of the blocks stored (known where the rows pass through the front end)."""
 
 
 class DataParallelEngine:
@@ -74,10 +77,12 @@ class DataParallelEngine:
 
     Disaggregated prefill (``prefill_engines`` P > 0): P more engines compute prompts. A request
     first runs on a prefill engine (chosen by its own router of the same policy) for one token;
-    its prompt's full blocks are then read there (``EngineWorker.extract``), move (through Ray's
-    object store, or the front end's pipes) into the chosen decode engine's transfer tier, and
-    the request runs on that engine, which loads them as tier hits and computes only the rest of
-    the prompt. Engines ``0 .. num_engines - 1`` decode; ``num_engines ..`` prefill.
+    its prompt's full blocks are then read there (``EngineWorker.extract``) and handed to the
+    chosen decode engine (``EngineWorker.receive``), and the request runs on that engine, which
+    computes only the rest of the prompt. Local processes on a host's GPUs pass a CUDA IPC handle
+    and the decode engine copies the blocks GPU to GPU into its pool (prefix hits there); else
+    host rows travel (Ray's object store, or the front end's pipes) into its transfer tier (tier
+    hits). Engines ``0 .. num_engines - 1`` decode; ``num_engines ..`` prefill.
     """
 
     def __init__(self, engine_kwargs: dict, num_engines: int, router: str = "kv_aware",
@@ -94,6 +99,10 @@ class DataParallelEngine:
         if prefill_engines:  # decode engines receive the prompts' blocks
             kwargs[:num_engines] = [{**engine_kwargs, "kv_transfer_gb": engine_kwargs.get("kv_transfer_gb") or 1.0}
                                     ] * num_engines
+            # prefill engines read a finished prompt's blocks between steps: without a step
+            # already queued behind (async scheduling), that read runs at once
+            if engine_kwargs.get("async_scheduling") is None:
+                kwargs[num_engines:] = [{**engine_kwargs, "async_scheduling": False}] * prefill_engines
         self.transport = transport
         self.engines = (RayEngines(kwargs, address, max_restarts) if transport == "ray"
                         else ProcessEngines(kwargs, max_restarts))
@@ -166,7 +175,7 @@ class DataParallelEngine:
         rec = _InFlight(request_id, -1, prompt, params, priority, cache_salt, retriable, stream, hashes, 0)
         self.num_pending += params.n
         try:
-            if self.prefill_router is not None and hashes:
+            if self.prefill_router is not None and self._worth_prefilling(rec):
                 await self._prefill(rec)
             await self._send(rec)
         except BaseException:
@@ -175,11 +184,19 @@ class DataParallelEngine:
         return RequestStream(self, request_id, stream, params.n)
 
     def _count(self, i: int, rec: _InFlight) -> None:
-        """Add a request just sent to engine ``i`` to its load at once (the engine's own figure
-        replaces it at the next poll), so that a burst routed before that poll spreads."""
+        """Add a request being sent to engine ``i`` to its load at once, before the engine
+        answers (the engine's own figure replaces it at the next poll), so that a burst routed
+        before that poll spreads: its prompt less the blocks the router predicts there."""
         load = self.loads[i]
+        new_tokens = max(0, len(rec.prompt["prompt_token_ids"]) - rec.predicted * self.block_size)
         self.loads[i] = dataclasses.replace(load, waiting=load.waiting + rec.params.n,
-                                            prefill_tokens=load.prefill_tokens + len(rec.prompt["prompt_token_ids"]))
+                                            prefill_tokens=load.prefill_tokens + new_tokens)
+
+    def _worth_prefilling(self, rec: _InFlight) -> bool:
+        """Whether a prefill engine should compute ``rec``'s prompt: not when the router
+        predicts that a decode engine already holds every full block of it."""
+        return bool(rec.hashes) and all(self.router.predicted_hits(e, rec.hashes) < len(rec.hashes)
+                                        for e in range(self.num_decode))
 
     def _router_of(self, i: int) -> tuple[Router, int]:
         """The router that chooses engine ``i``, and ``i``'s number there."""
@@ -202,17 +219,17 @@ class DataParallelEngine:
                         rec.hashes, 0)
         self._inflight[pre.request_id] = pre
         try:
-            await self.engines.call(i, "add", pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
-                                    rec.priority, rec.salt)
             self._count(i, pre)
             self.router_stats.routed[i] += 1
+            await self.engines.call(i, "add", pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
+                                    rec.priority, rec.salt)
             while True:
                 item = await pre.stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
                     break
-            rec.transfer = self.engines.begin(i, "extract", rec.hashes)
+            rec.prefill_engine = i
             self.router_stats.prefills += 1
         except Exception as err:
             log.warning("prefill of %s failed (%s); its decode engine computes the prompt", rec.request_id, err)
@@ -228,12 +245,11 @@ class DataParallelEngine:
             e = self.router.choose(rec.hashes, self.loads[: self.num_decode])
             rec.engine, rec.predicted = e, self.router.predicted_hits(e, rec.hashes)
             self._inflight[rec.request_id] = rec
+            self.router.on_routed(e, rec.hashes)  # (before the awaits: a burst sees this choice)
+            self._count(e, rec)
             try:
-                if rec.transfer is not None:
-                    t0 = time.perf_counter()
-                    self.router_stats.transferred_blocks += await self.engines.call(e, "receive", rec.transfer)
-                    self.router_stats.transfer_s += time.perf_counter() - t0
-                    rec.transfer = None
+                if rec.prefill_engine >= 0:
+                    await self._hand_over(e, rec)
                 await self.engines.call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
                                         rec.priority, rec.salt)
             except EngineDied:
@@ -243,12 +259,41 @@ class DataParallelEngine:
             except BaseException:
                 self._inflight.pop(rec.request_id, None)
                 raise
-            self.router.on_routed(e, rec.hashes)
-            self._count(e, rec)
             self.router_stats.routed[e] += 1
             self.router_stats.predicted_hit_blocks += rec.predicted
             self.router_stats.prompt_blocks += len(rec.hashes)
             return
+
+    async def _hand_over(self, e: int, rec: _InFlight) -> None:
+        """Move a prefilled request's blocks to decode engine ``e``: those after the ones the
+        router predicts ``e`` holds (once: a retry on another engine computes the prompt). A
+        failure of the prefill side or of the copy only costs that; ``EngineDied`` of ``e`` is
+        raised."""
+        source, rec.prefill_engine = rec.prefill_engine, -1
+        if rec.predicted >= len(rec.hashes):
+            return
+        t0 = time.perf_counter()
+        transfer = self.engines.begin(source, "extract", rec.hashes[rec.predicted:], self.engines.device_transfer)
+        if isinstance(transfer, Future):  # local processes: the extract passes through here
+            try:
+                transfer = await asyncio.wrap_future(transfer)
+            except Exception as err:
+                log.warning("blocks of %s could not be read on its prefill engine (%s)", rec.request_id, err)
+                return
+        try:
+            blocks = await self.engines.call(e, "receive", transfer)
+        except EngineDied:
+            raise
+        except Exception as err:
+            log.warning("blocks of %s could not be stored on engine %d (%s); it computes them", rec.request_id, e, err)
+            return
+        finally:
+            if isinstance(transfer, ExtractedBlocks) and isinstance(transfer.rows, DeviceRows):
+                self.engines.notify(source, "transfer_done", transfer.rows.nbytes)
+        self.router_stats.transferred_blocks += blocks
+        self.router_stats.transfer_s += time.perf_counter() - t0
+        if isinstance(transfer, ExtractedBlocks):
+            self.router_stats.transferred_bytes += transfer.nbytes * blocks // max(1, len(transfer.hashes))
 
     def abort(self, request_id: str) -> None:
         rec = self._inflight.pop(request_id, None)

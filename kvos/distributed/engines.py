@@ -8,17 +8,23 @@ restarts actors itself; local processes are started anew here).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger("kvos.distributed")
 
 TRANSPORTS = ("ray", "process")
+
+RPC_THREADS = 64
+"""Calls one engine answers at once. Most wait for the engine's next step boundary (an ``add``,
+an ``extract``), so a burst of requests needs about as many: with 8, 64 streams' adds queued
+behind each other for several steps."""
 
 
 class EngineDied(RuntimeError):
@@ -29,6 +35,9 @@ class RayEngines:
     """One ``EngineWorker`` actor per engine on the Ray cluster at ``address`` (None: start a
     local one, or join the one ``RAY_ADDRESS`` names); one GPU each when the cluster has a GPU
     per engine. Ray restarts a dead actor up to ``max_restarts`` times."""
+
+    device_transfer = False
+    """Actors see only their own GPU: KV between them travels as host rows (the object store)."""
 
     def __init__(self, kwargs: list[dict], address: str | None, max_restarts: int) -> None:
         import ray
@@ -43,7 +52,8 @@ class RayEngines:
         per_gpu = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
         threads = max(1, int(ray.cluster_resources().get("CPU", 1) // n))
         worker = ray.remote(EngineWorker)
-        self.actors = [worker.options(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts, max_concurrency=8,
+        self.actors = [worker.options(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts,
+                                      max_concurrency=RPC_THREADS,
                                       ).remote(kwargs[i], i, threads) for i in range(n)]
 
     def __len__(self) -> int:
@@ -103,7 +113,7 @@ def _serve_engine(conn, kwargs: dict, index: int, threads: int, gpu: str | None,
         return
     conn.send((0, True, None))
     lock = threading.Lock()
-    pool = ThreadPoolExecutor(8, thread_name_prefix=f"kvos-engine-{index}-rpc")
+    pool = ThreadPoolExecutor(RPC_THREADS, thread_name_prefix=f"kvos-engine-{index}-rpc")
 
     def run(call_id: int, method: str, args: tuple) -> None:
         try:
@@ -174,12 +184,14 @@ class _Process:
             with self.lock:
                 fut = self.pending.pop(call_id, None)
             if fut is not None:
-                fut.set_result(value) if ok else fut.set_exception(value)
+                with contextlib.suppress(InvalidStateError):  # a caller cancelled it
+                    fut.set_result(value) if ok else fut.set_exception(value)
         with self.lock:
             self.alive = False
             pending, self.pending = self.pending, {}
         for fut in pending.values():
-            fut.set_exception(EngineDied(f"engine {self.index} exited (code {self.proc.exitcode})"))
+            with contextlib.suppress(InvalidStateError):
+                fut.set_exception(EngineDied(f"engine {self.index} exited (code {self.proc.exitcode})"))
 
     def stop(self, timeout: float = 10.0) -> None:
         try:
@@ -193,7 +205,8 @@ class _Process:
 
 class ProcessEngines:
     """One ``EngineWorker`` per local process (``spawn``), no Ray: ``kvos serve --transport
-    process``. With a GPU per engine, engine ``i`` sees only GPU ``i`` (``CUDA_VISIBLE_DEVICES``).
+    process``. With a GPU per engine, engine ``i``'s device is GPU ``i`` (first in its
+    ``CUDA_VISIBLE_DEVICES``; the others stay visible for CUDA IPC).
     A dead process is started anew by ``revive``, up to ``max_restarts`` times per engine."""
 
     def __init__(self, kwargs: list[dict], max_restarts: int) -> None:
@@ -201,7 +214,11 @@ class ProcessEngines:
         self._ctx = mp.get_context("spawn")
         self._kwargs = kwargs
         gpus = _visible_gpus() if any(k.get("device", "auto") != "cpu" for k in kwargs) else []
-        self._gpu = [gpus[i] if len(gpus) >= n else None for i in range(n)]
+        # engine i's own GPU first (its "cuda"), the others after it: visible, so that CUDA IPC
+        # handles of another engine's memory open there (disaggregated prefill)
+        self._gpu = [",".join(gpus[i:] + gpus[:i]) if len(gpus) >= n else None for i in range(n)]
+        self.device_transfer = bool(gpus)
+        """The engines are processes of this host on its GPUs: KV moves between them by CUDA IPC."""
         self._threads = max(1, (os.cpu_count() or 1) // n)
         self._restarts = [max_restarts] * n
         self.procs = [_Process(self._ctx, kwargs[i], i, self._threads, self._gpu[i]) for i in range(n)]

@@ -14,6 +14,7 @@ from kvos.engine.sampling_params import SamplingParams
 class DataParallelLLM:
     """``num_engines`` engines of one model (``engine_kwargs`` are ``LLM``'s keywords) behind
     ``router``; ``prefill_engines`` > 0 adds engines that only prefill (disaggregated).
+    ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray).
 
     The ``DataParallelEngine`` lives on an event loop of its own thread; ``generate`` submits
     every prompt, waits for all, and returns the outputs in prompt order. Call ``shutdown`` (or
@@ -21,9 +22,9 @@ class DataParallelLLM:
     """
 
     def __init__(self, num_engines: int = 2, router: str = "kv_aware", prefill_engines: int = 0,
-                 ray_address: str | None = None, **engine_kwargs) -> None:
+                 ray_address: str | None = None, transport: str = "ray", **engine_kwargs) -> None:
         self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address,
-                                         prefill_engines=prefill_engines)
+                                         prefill_engines=prefill_engines, transport=transport)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvos-dp-loop", daemon=True)
         self._thread.start()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.pins import PinInfo
+from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
 from kvos.router.policies import EngineLoad
@@ -79,6 +80,7 @@ class EngineWorker:
         self._stats: dict = {**self.engine.stats(), "pid": os.getpid()}
         self._stats_at = time.monotonic()
         self._stop = False
+        self._shared_bytes = 0
         self._thread = threading.Thread(target=self._run, name=f"kvos-{self.engine_id}", daemon=True)
         self._thread.start()
 
@@ -121,32 +123,61 @@ class EngineWorker:
             self._outputs, self._failed, self._events = {}, {}, []
         return res
 
-    def extract(self, hashes: list[bytes]):
-        """The leading ``hashes`` this engine's prefix cache holds, with their KV bytes: (hashes,
-        uint8 ``[n, block_bytes]`` numpy rows), read between steps on the stepping thread (a
-        cached block's bytes are intact until a step reuses it). The prefill side of a
-        disaggregated request."""
-        def read():
+    MAX_SHARED_BYTES = 4 << 30
+    """Device rows shared with decode engines and not yet reported done (``transfer_done``) at
+    most; past it, ``extract`` returns host rows (the memory is outside the KV pool)."""
+
+    def extract(self, hashes: list[bytes], on_device: bool = False) -> ExtractedBlocks:
+        """The leading ``hashes`` this engine's prefix cache holds, with their KV bytes, read
+        between steps on the stepping thread (a cached block's bytes are intact until a step
+        reuses it). ``on_device`` (the receiver is a process of this host that sees this GPU):
+        as ``DeviceRows`` while under ``MAX_SHARED_BYTES``; else host rows. The prefill side of
+        a disaggregated request."""
+        def read() -> ExtractedBlocks:
             kv = self.engine.kv
-            ids = []
+            blocks = []
             for h in hashes:
                 b = kv.pool.lookup(h)
                 if b is None:
                     break
-                ids.append(b.block_id)
-            rows = self.engine.runner.read_blocks(ids).numpy() if ids else None
-            return hashes[: len(ids)], rows
+                blocks.append(b)
+            if not blocks:
+                return ExtractedBlocks([], None, 0, None)
+            ids = [b.block_id for b in blocks]
+            runner = self.engine.runner
+            rows: object
+            with self._lock:
+                share = (on_device and runner.device.type == "cuda"
+                         and self._shared_bytes + len(ids) * runner.block_bytes <= self.MAX_SHARED_BYTES)
+                if share:
+                    self._shared_bytes += len(ids) * runner.block_bytes
+            if share:
+                import torch
+
+                torch.cuda.ipc_collect()  # free rows that earlier receivers are done with
+                rows = DeviceRows.share(runner.gather_blocks(ids))
+            else:
+                rows = runner.read_blocks(ids).numpy()
+            return ExtractedBlocks(hashes[: len(ids)], blocks[0].parent_hash, blocks[0].depth, rows)
 
         return self._call(read)
 
-    def receive(self, found) -> int:
-        """Store the (hashes, rows) that another engine's ``extract`` returned in this engine's
-        transfer tier; the request sent next loads them as any tier's hits. The decode side."""
-        hashes, rows = found
-        if not hashes:
+    def transfer_done(self, nbytes: int) -> None:
+        """The front end's word that ``nbytes`` of shared device rows were received (or given up)."""
+        with self._lock:
+            self._shared_bytes = max(0, self._shared_bytes - nbytes)
+
+    def receive(self, found: ExtractedBlocks) -> int:
+        """Take what another engine's ``extract`` returned: device rows are copied GPU to GPU
+        into free blocks of this engine's pool and cached (between steps); host rows go into
+        its transfer tier. Either way the request sent next finds them. The decode side."""
+        if not found.hashes:
             return 0
+        if isinstance(found.rows, DeviceRows):
+            rows = found.rows
+            return self._call(lambda: self.engine.adopt_blocks(found.hashes, found.parent, rows.open(), found.depth))
         assert self.engine.offload is not None
-        return self.engine.offload.receive(hashes, rows)
+        return self.engine.offload.receive(found.hashes, found.rows)
 
     def pin(self, prompt_token_ids: list[int], ttl_s: float | None, cache_salt: str | None) -> PinInfo:
         """Compute and pin a prefix (``LLMEngine.pin_prefix``); returns once it is pinned.

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvos.cache.block import BlockHash
 from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import build_layout
 from kvos.cache.pins import Pin, PinInfo, PinnedPrefixes
 from kvos.config import EngineConfig
+from kvos.engine.block_adoption import BlockAdopter
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
 from kvos.engine.step import describe_step
@@ -163,6 +165,7 @@ class LLMEngine:
                                         config.tier_verify == "auto" and self.runner.device.type == "cuda"))
         self.offload = (OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler, config.tier_lookahead)
                         if hierarchy else None)
+        self._adopter: BlockAdopter | None = None
         if config.preemption_mode == "swap":
             self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))
         self._groups: dict[str, _Group] = {}
@@ -312,6 +315,8 @@ class LLMEngine:
         Returns outputs of requests that changed."""
         if self.offload is not None:
             self.offload.install_ready()
+        if self._adopter is not None and self._adopter.busy:
+            self._adopter.collect()
         if self.pins is not None and self.pins.pins:
             self.pins.expire(time.monotonic())
         out = self.scheduler.schedule()
@@ -411,10 +416,19 @@ class LLMEngine:
              "loading": len(self.scheduler.loading)}
         if self.offload is not None:
             s["tiers"] = self.offload.h.usage()
+        if self._adopter is not None:
+            s.update(self._adopter.stats())
         return s
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
+
+    def adopt_blocks(self, hashes: list[BlockHash], parent: BlockHash | None, rows: torch.Tensor,
+                     depth: int = 0) -> int:
+        """Cache blocks another engine computed (``BlockAdopter.adopt``); between steps only."""
+        if self._adopter is None:
+            self._adopter = BlockAdopter(self.kv, self.runner)
+        return self._adopter.adopt(hashes, parent, rows, depth)
 
     def drain_kv_events(self) -> KVEventBatch | None:
         """The prefix cache's events since the last call as the next numbered batch (None if

@@ -53,6 +53,9 @@ class Request:
     num_computed_tokens: int = 0
     max_computed_tokens: int = 0
     num_cached_tokens: int = -1
+    prompt_hit_tokens: int = 0
+    """Prompt tokens the device cache held when the request arrived: its load estimate for
+    routers (``Scheduler.load``); admission looks the hit up again."""
     cached_by_source: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     swapped_tokens: int = 0  # > 0 while its KV waits in host memory (preemption by swap)

@@ -164,6 +164,7 @@ class Scheduler:
             raise ValueError(f"n={req.sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}: "
                              f"its sequences could never run together")
         self.requests[req.request_id] = req
+        req.prompt_hit_tokens = self.kv.longest_hit_tokens(req, req.num_prompt_tokens - 1)
         req.status = RequestStatus.WAITING
         req.queued_at_step = self.num_steps
         heapq.heappush(self._waiting, (self._key(req), req))
@@ -212,12 +213,12 @@ class Scheduler:
 
     def load(self) -> EngineLoad:
         """This engine's load as a router sees it: waiting and running sequences, prompt tokens
-        not computed yet (a waiting request's whole prompt), and the blocks each running
-        sequence spans (shared ones counted per sequence). O(requests)."""
+        not computed yet (a waiting request's prompt less what the cache held when it arrived),
+        and the blocks each running sequence spans (shared ones counted per sequence). O(requests)."""
         bs = self.kv.block_size
         prefill = 0
         for r in self.requests.values():
-            left = r.num_prompt_tokens - r.num_computed_tokens
+            left = r.num_prompt_tokens - max(r.num_computed_tokens, r.prompt_hit_tokens)
             if left > 0:
                 prefill += left
         active = sum((r.num_tokens + bs - 1) // bs for r in self.running)

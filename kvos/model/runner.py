@@ -218,6 +218,13 @@ class ModelRunner:
             host[i: i + step].copy_(pages[idx[i: i + step]])
         return host
 
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' bytes as a new ``uint8 [n, block_bytes]`` tensor on the pool's device,
+        gathered on the current stream (so after every step queued before). Only valid while
+        the blocks' content is what their owner says."""
+        pages = self.block_pages()
+        return pages.index_select(0, torch.tensor(block_ids, dtype=torch.long, device=pages.device))
+
     def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """Fill ``block_ids`` from ``rows`` (``uint8 [n, block_bytes]`` as ``read_blocks``
         returns, contiguous, on any device) with one device-side scatter, queued on the current

@@ -28,9 +28,8 @@ DEFAULT_KV_WEIGHT = 16.0
 class EngineLoad:
     """One engine's load when a request is routed.
 
-    ``prefill_tokens``: prompt tokens queued or in flight that are not computed yet (waiting
-    requests count their whole prompt: their cache hits are not known before they are
-    scheduled). ``active_blocks``: KV blocks the running sequences span (each sequence counts
+    ``prefill_tokens``: prompt tokens queued or in flight that are not computed yet (a waiting
+    request counts its prompt less the prefix the cache held when it arrived). ``active_blocks``: KV blocks the running sequences span (each sequence counts
     its own, as a router counts them without seeing which are shared)."""
 
     waiting: int = 0

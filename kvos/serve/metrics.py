@@ -136,6 +136,7 @@ def _router_families(r: dict) -> Iterator:
         ("kvos:router_prefills", "prefills", "Requests prefilled on a prefill engine (disaggregated)."),
         ("kvos:router_transferred_blocks", "transferred_blocks", "KV blocks moved from prefill to decode engines."),
         ("kvos:router_transfer_seconds", "transfer_s", "Time spent moving KV blocks to decode engines."),
+        ("kvos:router_transferred_bytes", "transferred_bytes", "KV bytes moved to decode engines (where counted)."),
     ]:
         yield CounterMetricFamily(name, doc, value=r[key])
 
