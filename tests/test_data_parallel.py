@@ -66,6 +66,30 @@ def test_chats_follow_their_prefix_to_its_engine(server, client):
     assert server.metric("kvos:router_obtained_hit_blocks_total") >= 8 * 10
 
 
+def test_a_burst_of_new_prompts_spreads_over_the_engines(server):
+    """Eight distinct prompts sent at the same moment: each routing choice counts before the
+    engine answers, so the burst is not all sent to the engine that looked least loaded first."""
+    def routed() -> list[float]:
+        return [server.metric("kvos:router_requests_total", f'engine="{e}",policy="kv_aware"') for e in (0, 1)]
+
+    before = routed()
+    barrier = threading.Barrier(8)
+
+    def send(i: int) -> None:
+        barrier.wait()
+        r = httpx.post(f"{server.url}/v1/completions", timeout=300,
+                       json={"model": MODEL, "prompt": f"Burst {i}: " + f"item {i} " * (20 + i), "max_tokens": 2})
+        assert r.status_code == 200
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = [a - b for a, b in zip(routed(), before)]
+    assert sum(got) == 8 and min(got) >= 2, got
+
+
 def test_tenants_keep_their_salts_across_engines(server):
     """A prefix cached for one tenant is a hit for that tenant, on whatever engine the router
     picks, and never for another tenant."""

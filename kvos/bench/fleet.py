@@ -29,8 +29,8 @@ Setup, and why:
   full blocks of a prompt already sent, or of a finished turn's prompt and reply), requests
   routed per engine and their imbalance (max / mean over the decode engines), the router's
   predicted and obtained hit blocks; disaggregated: prefills, blocks transferred, the time the
-  hand-overs took (mean wall time from asking the prefill engine for the blocks to their being
-  stored on the decode engine: both engines answer between steps) and, with CUDA IPC, the rate
+  hand-overs took (mean wall time from asking the prefill engine for the blocks to the decode
+  engine's queuing the request with them stored) and, with CUDA IPC, the rate
   of the decode engine's copies alone (bytes over their device time, CUDA events): the figure
   to hold against the measured GPU-to-GPU copy rate.
 - ``--peer-bandwidth`` (2 CUDA GPUs): GPU0 -> GPU1 copies of 256 MiB in a spawned process,

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
@@ -55,7 +54,8 @@ class RouterStats:
     """Requests prefilled on a prefill engine (disaggregated)."""
     transferred_blocks: int = 0
     transfer_s: float = 0.0
-    """Wall time from a prefill's end to its blocks stored on the decode engine."""
+    """Wall time from taking a prefill's blocks on its engine to the decode engine's accepting
+    the request with them stored."""
     transferred_bytes: int = 0
     """Bytes of the blocks stored (known where the rows pass through the front end)."""
 
@@ -77,12 +77,13 @@ class DataParallelEngine:
 
     Disaggregated prefill (``prefill_engines`` P > 0): P more engines compute prompts. A request
     first runs on a prefill engine (chosen by its own router of the same policy) for one token;
-    its prompt's full blocks are then read there (``EngineWorker.extract``) and handed to the
-    chosen decode engine (``EngineWorker.receive``), and the request runs on that engine, which
-    computes only the rest of the prompt. Local processes on a host's GPUs pass a CUDA IPC handle
-    and the decode engine copies the blocks GPU to GPU into its pool (prefix hits there); else
-    host rows travel (Ray's object store, or the front end's pipes) into its transfer tier (tier
-    hits). Engines ``0 .. num_engines - 1`` decode; ``num_engines ..`` prefill.
+    as it finishes there, that engine keeps its prompt's blocks (``add(export=...)``); once the
+    decode engine is chosen, the blocks the router does not predict there are read
+    (``take_export``) and go with the request to it (``add(received=...)``), which stores them
+    first and computes only the rest of the prompt. Local processes on a
+    host's GPUs pass a CUDA IPC handle and the decode engine copies the blocks GPU to GPU into
+    its pool (prefix hits there); else host rows travel (through this process) into its
+    transfer tier (tier hits). Engines ``0 .. num_engines - 1`` decode; ``num_engines ..`` prefill.
     """
 
     def __init__(self, engine_kwargs: dict, num_engines: int, router: str = "kv_aware",
@@ -192,6 +193,7 @@ class DataParallelEngine:
         self.loads[i] = dataclasses.replace(load, waiting=load.waiting + rec.params.n,
                                             prefill_tokens=load.prefill_tokens + new_tokens)
 
+
     def _worth_prefilling(self, rec: _InFlight) -> bool:
         """Whether a prefill engine should compute ``rec``'s prompt: not when the router
         predicts that a decode engine already holds every full block of it."""
@@ -206,8 +208,9 @@ class DataParallelEngine:
         return self.prefill_router, i - self.num_decode
 
     async def _prefill(self, rec: _InFlight) -> None:
-        """Run ``rec``'s prompt on a prefill engine for one token and keep a reference to its
-        blocks there; on any failure the decode engine simply computes the whole prompt."""
+        """Run ``rec``'s prompt on a prefill engine for one token; as it finishes, that engine
+        keeps the prompt's blocks for ``take_export``. On any failure the decode engine simply
+        computes the whole prompt."""
         assert self.prefill_router is not None
         if all(self.down[self.num_decode:]):
             return  # no prefill engine is up
@@ -222,7 +225,7 @@ class DataParallelEngine:
             self._count(i, pre)
             self.router_stats.routed[i] += 1
             await self.engines.call(i, "add", pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
-                                    rec.priority, rec.salt)
+                                    rec.priority, rec.salt, rec.hashes, self.engines.device_transfer)
             while True:
                 item = await pre.stream.queue.get()
                 if isinstance(item, BaseException):
@@ -248,10 +251,7 @@ class DataParallelEngine:
             self.router.on_routed(e, rec.hashes)  # (before the awaits: a burst sees this choice)
             self._count(e, rec)
             try:
-                if rec.prefill_engine >= 0:
-                    await self._hand_over(e, rec)
-                await self.engines.call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
-                                        rec.priority, rec.salt)
+                await self._add_with_blocks(e, rec)
             except EngineDied:
                 self._inflight.pop(rec.request_id, None)
                 self._engine_down(e)
@@ -264,36 +264,28 @@ class DataParallelEngine:
             self.router_stats.prompt_blocks += len(rec.hashes)
             return
 
-    async def _hand_over(self, e: int, rec: _InFlight) -> None:
-        """Move a prefilled request's blocks to decode engine ``e``: those after the ones the
-        router predicts ``e`` holds (once: a retry on another engine computes the prompt). A
-        failure of the prefill side or of the copy only costs that; ``EngineDied`` of ``e`` is
-        raised."""
+    async def _add_with_blocks(self, e: int, rec: _InFlight) -> None:
+        """Add ``rec`` on decode engine ``e``, with the blocks its prefill engine exported (once:
+        a retry on another engine computes the prompt). A failure of the prefill side only costs
+        that; ``EngineDied`` of ``e`` is raised."""
+        found: ExtractedBlocks | None = None
         source, rec.prefill_engine = rec.prefill_engine, -1
-        if rec.predicted >= len(rec.hashes):
-            return
         t0 = time.perf_counter()
-        transfer = self.engines.begin(source, "extract", rec.hashes[rec.predicted:], self.engines.device_transfer)
-        if isinstance(transfer, Future):  # local processes: the extract passes through here
+        if source >= 0:
             try:
-                transfer = await asyncio.wrap_future(transfer)
+                found = await self.engines.call(source, "take_export", f"{rec.request_id}-prefill", rec.predicted)
             except Exception as err:
                 log.warning("blocks of %s could not be read on its prefill engine (%s)", rec.request_id, err)
-                return
         try:
-            blocks = await self.engines.call(e, "receive", transfer)
-        except EngineDied:
-            raise
-        except Exception as err:
-            log.warning("blocks of %s could not be stored on engine %d (%s); it computes them", rec.request_id, e, err)
-            return
+            stored = await self.engines.call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
+                                             rec.priority, rec.salt, None, False, found)
         finally:
-            if isinstance(transfer, ExtractedBlocks) and isinstance(transfer.rows, DeviceRows):
-                self.engines.notify(source, "transfer_done", transfer.rows.nbytes)
-        self.router_stats.transferred_blocks += blocks
-        self.router_stats.transfer_s += time.perf_counter() - t0
-        if isinstance(transfer, ExtractedBlocks):
-            self.router_stats.transferred_bytes += transfer.nbytes * blocks // max(1, len(transfer.hashes))
+            if found is not None and isinstance(found.rows, DeviceRows):
+                self.engines.notify(source, "transfer_done", found.rows.nbytes)
+        if found is not None and found.hashes:
+            self.router_stats.transferred_blocks += stored
+            self.router_stats.transfer_s += time.perf_counter() - t0
+            self.router_stats.transferred_bytes += found.nbytes * stored // len(found.hashes)
 
     def abort(self, request_id: str) -> None:
         rec = self._inflight.pop(request_id, None)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.pins import PinInfo
+from kvos.distributed.block_export import BlockExports
 from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ class EngineWorker:
         self._stats: dict = {**self.engine.stats(), "pid": os.getpid()}
         self._stats_at = time.monotonic()
         self._stop = False
-        self._shared_bytes = 0
+        self.exports = BlockExports(self.engine, self._release_blocks)
         self._thread = threading.Thread(target=self._run, name=f"kvos-{self.engine_id}", daemon=True)
         self._thread.start()
 
@@ -93,16 +94,31 @@ class EngineWorker:
         return self.engine.tokenizer
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-            cache_salt: str | None = None) -> None:
-        """Queue a request; raises ``ValueError`` (naming the field) if the engine refuses it."""
+            cache_salt: str | None = None, export: list[bytes] | None = None, on_device: bool = False,
+            received: ExtractedBlocks | None = None) -> int:
+        """Queue a request; raises ``ValueError`` (naming the field) if the engine refuses it.
+
+        Disaggregated prefill: ``export`` (on a prefill engine): when the request finishes, the
+        blocks of these hashes that the cache holds are kept (referenced) for ``take_export``
+        (``on_device``: read as ``DeviceRows`` for a process of this host). ``received``
+        (on a decode engine): blocks another engine exported, stored first: device rows are
+        copied into this engine's pool between steps, just before the request is queued; host
+        rows go into the transfer tier. Returns how many blocks were stored."""
+        stored = 0
+        if received is not None and received.hashes and not isinstance(received.rows, DeviceRows):
+            assert self.engine.offload is not None, "host rows need a transfer tier (kv_transfer_gb)"
+            stored = self.engine.offload.receive(received.hashes, received.rows)
+            received = None
         done = threading.Event()
-        box: list[BaseException | None] = [None]
+        box: list = [None, 0]
         with self._lock:
-            self._cmds.append(("add", (request_id, prompt_token_ids, params, priority, cache_salt), done, box))
+            self._cmds.append(("add", (request_id, prompt_token_ids, params, priority, cache_salt, export, on_device,
+                                       received), done, box))
             self._changed.notify_all()
         done.wait()
         if box[0] is not None:
             raise box[0]
+        return stored + box[1]
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -123,61 +139,14 @@ class EngineWorker:
             self._outputs, self._failed, self._events = {}, {}, []
         return res
 
-    MAX_SHARED_BYTES = 4 << 30
-    """Device rows shared with decode engines and not yet reported done (``transfer_done``) at
-    most; past it, ``extract`` returns host rows (the memory is outside the KV pool)."""
-
-    def extract(self, hashes: list[bytes], on_device: bool = False) -> ExtractedBlocks:
-        """The leading ``hashes`` this engine's prefix cache holds, with their KV bytes, read
-        between steps on the stepping thread (a cached block's bytes are intact until a step
-        reuses it). ``on_device`` (the receiver is a process of this host that sees this GPU):
-        as ``DeviceRows`` while under ``MAX_SHARED_BYTES``; else host rows. The prefill side of
-        a disaggregated request."""
-        def read() -> ExtractedBlocks:
-            kv = self.engine.kv
-            blocks = []
-            for h in hashes:
-                b = kv.pool.lookup(h)
-                if b is None:
-                    break
-                blocks.append(b)
-            if not blocks:
-                return ExtractedBlocks([], None, 0, None)
-            ids = [b.block_id for b in blocks]
-            runner = self.engine.runner
-            rows: object
-            with self._lock:
-                share = (on_device and runner.device.type == "cuda"
-                         and self._shared_bytes + len(ids) * runner.block_bytes <= self.MAX_SHARED_BYTES)
-                if share:
-                    self._shared_bytes += len(ids) * runner.block_bytes
-            if share:
-                import torch
-
-                torch.cuda.ipc_collect()  # free rows that earlier receivers are done with
-                rows = DeviceRows.share(runner.gather_blocks(ids))
-            else:
-                rows = runner.read_blocks(ids).numpy()
-            return ExtractedBlocks(hashes[: len(ids)], blocks[0].parent_hash, blocks[0].depth, rows)
-
-        return self._call(read)
+    def take_export(self, request_id: str, skip: int = 0) -> ExtractedBlocks:
+        """The prompt blocks ``add(..., export=...)`` kept when ``request_id`` finished, after
+        the first ``skip`` (``BlockExports.take``: no step boundary to wait for)."""
+        return self.exports.take(request_id, skip)
 
     def transfer_done(self, nbytes: int) -> None:
         """The front end's word that ``nbytes`` of shared device rows were received (or given up)."""
-        with self._lock:
-            self._shared_bytes = max(0, self._shared_bytes - nbytes)
-
-    def receive(self, found: ExtractedBlocks) -> int:
-        """Take what another engine's ``extract`` returned: device rows are copied GPU to GPU
-        into free blocks of this engine's pool and cached (between steps); host rows go into
-        its transfer tier. Either way the request sent next finds them. The decode side."""
-        if not found.hashes:
-            return 0
-        if isinstance(found.rows, DeviceRows):
-            rows = found.rows
-            return self._call(lambda: self.engine.adopt_blocks(found.hashes, found.parent, rows.open(), found.depth))
-        assert self.engine.offload is not None
-        return self.engine.offload.receive(found.hashes, found.rows)
+        self.exports.done(nbytes)
 
     def pin(self, prompt_token_ids: list[int], ttl_s: float | None, cache_salt: str | None) -> PinInfo:
         """Compute and pin a prefix (``LLMEngine.pin_prefix``); returns once it is pinned.
@@ -235,13 +204,23 @@ class EngineWorker:
         e = self.engine
         for kind, arg, done, box in cmds:
             if kind == "add":
-                rid, ids, params, priority, salt = arg
+                rid, ids, params, priority, salt, export, on_device, received = arg
+                if received is not None and received.hashes:
+                    try:
+                        box[1] = e.adopt_blocks(received.hashes, received.parent, received.rows.open(),
+                                                received.depth)
+                    except Exception:  # the request computes the blocks itself
+                        log.exception("%s: receiving %s's blocks failed", self.engine_id, rid)
                 try:
                     e.add_request({"prompt_token_ids": ids}, params, request_id=rid, priority=priority,
                                   cache_salt=salt)
+                    if export:
+                        self.exports.expect(rid, export, on_device)
                 except Exception as err:  # a bad request never stops the engine
                     box[0] = err
                 done.set()
+            elif kind == "release":
+                e.kv.pool.free_blocks(reversed(arg))
             elif kind == "call":
                 try:
                     box[0] = arg()
@@ -250,6 +229,13 @@ class EngineWorker:
                 done.set()
             else:
                 e.abort_request(arg)
+                self.exports.hold(arg)
+
+    def _release_blocks(self, blocks) -> None:
+        """Any thread: drop references on the stepping thread (``BlockExports``)."""
+        with self._lock:
+            self._cmds.append(("release", blocks, None, None))
+            self._changed.notify_all()
 
     def _run(self) -> None:
         e = self.engine
@@ -271,6 +257,13 @@ class EngineWorker:
                     for rid in e.request_ids():
                         e.abort_request(rid)
                         failed[rid] = f"engine error: {err}"
+            if self.exports.pending:
+                for out in outputs:
+                    if out.finished:
+                        self.exports.hold(out.request_id)
+                for rid in failed:
+                    self.exports.hold(rid)
+                self.exports.release_expired(time.monotonic())
             batch = e.drain_kv_events()
             load = e.scheduler.load()
             now = time.monotonic()
