@@ -25,6 +25,9 @@ class BlockStored:
     num_tokens: int
     group: int = 0
 
+    def __reduce__(self):  # by constructor: 3-4x faster than a slots dataclass's default state path
+        return BlockStored, (self.block_hash, self.parent_hash, self.num_tokens, self.group)
+
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
@@ -33,10 +36,16 @@ class BlockRemoved:
     block_hash: BlockHash
     group: int = 0
 
+    def __reduce__(self):
+        return BlockRemoved, (self.block_hash, self.group)
+
 
 @dataclass(frozen=True, slots=True)
 class AllCleared:
     """Nothing is cached any more (every group's index is empty)."""
+
+    def __reduce__(self):
+        return AllCleared, ()
 
 
 KVEvent = BlockStored | BlockRemoved | AllCleared
@@ -48,6 +57,9 @@ class KVEventBatch:
     epoch: str
     seq: int
     events: tuple[KVEvent, ...]
+
+    def __reduce__(self):
+        return KVEventBatch, (self.engine_id, self.epoch, self.seq, self.events)
 
 
 @dataclass(frozen=True, slots=True)

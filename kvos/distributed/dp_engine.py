@@ -96,14 +96,16 @@ class DataParallelEngine:
         if prefill_engines < 0:
             raise ValueError(f"prefill_engines must be >= 0, got {prefill_engines}")
         total = num_engines + prefill_engines
-        kwargs = [engine_kwargs] * total
+        # KV events feed the router; one engine has nothing to route (and pickling a step's
+        # events cost the front end about a fifth of its time serving 256 streams on an H100)
+        kwargs = [{**engine_kwargs, "kv_events": total > 1}] * total
         if prefill_engines:  # decode engines receive the prompts' blocks
-            kwargs[:num_engines] = [{**engine_kwargs, "kv_transfer_gb": engine_kwargs.get("kv_transfer_gb") or 1.0}
+            kwargs[:num_engines] = [{**kwargs[0], "kv_transfer_gb": engine_kwargs.get("kv_transfer_gb") or 1.0}
                                     ] * num_engines
             # prefill engines read a finished prompt's blocks between steps: without a step
             # already queued behind (async scheduling), that read runs at once
             if engine_kwargs.get("async_scheduling") is None:
-                kwargs[num_engines:] = [{**engine_kwargs, "async_scheduling": False}] * prefill_engines
+                kwargs[num_engines:] = [{**kwargs[0], "async_scheduling": False}] * prefill_engines
         self.transport = transport
         self.engines = (RayEngines(kwargs, address, max_restarts) if transport == "ray"
                         else ProcessEngines(kwargs, max_restarts))

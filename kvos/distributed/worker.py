@@ -69,7 +69,7 @@ class EngineWorker:
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        self.engine = LLMEngine(EngineConfig(**{**engine_kwargs, "kv_events": True}))
+        self.engine = LLMEngine(EngineConfig(**{"kv_events": True, **engine_kwargs}))
         self.engine_id = f"engine-{engine_index}"
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -264,7 +264,7 @@ class EngineWorker:
                 for rid in failed:
                     self.exports.hold(rid)
                 self.exports.release_expired(time.monotonic())
-            batch = e.drain_kv_events()
+            batch = e.drain_kv_events() if e.kv_events is not None else None
             load = e.scheduler.load()
             now = time.monotonic()
             stats = None
