@@ -163,9 +163,9 @@ async def one_request(dp, params, rid: str, prompt: list[int], bound: PrefixBoun
 
 
 async def warm_up(dp, wl: Workload, params) -> list[int]:
-    """The warm-up requests, submitted one after another (``submit`` returns once the request
-    is counted in its engine's load, so a load-aware router spreads them; requests submitted
-    at once may all see the same loads) and run together; the requests each engine got."""
+    """The warm-up requests, submitted one after another (each counted in its engine's load
+    before the next is routed, so a load-aware router spreads them) and run together; the
+    requests each engine got."""
     before = list(dp.router_stats.routed)
     streams = [await dp.submit({"prompt_token_ids": p}, params, f"warmup-{i}") for i, p in enumerate(wl.warmup)]
     await asyncio.gather(*(s.result() for s in streams))
