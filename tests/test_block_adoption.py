@@ -12,11 +12,9 @@ def test_adopted_blocks_serve_as_prefix_hits_with_the_reference_output(llm, make
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ref = llm.generate([PROMPT], sp, use_tqdm=False)[0]
     ids = ref.prompt_token_ids
-    src = make_llm(num_blocks=64).engine
-    src_llm_out = None
-    src.add_request({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1), request_id="p")
-    while src.has_unfinished_requests():
-        src_llm_out = src.step() or src_llm_out
+    src_llm = make_llm(num_blocks=64)
+    src_llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    src = src_llm.engine
     hashes: list[bytes] = []
     extend_block_hashes(hashes, ids[: len(ids) - 1], src.kv.block_size, root_hash(src.kv.model_id, None))
     blocks = [src.kv.pool.lookup(h) for h in hashes]

@@ -32,10 +32,9 @@ class BlockAdopter:
 
     def adopt(self, hashes: list[BlockHash], parent: BlockHash | None, rows: torch.Tensor, depth: int = 0) -> int:
         """Cache ``rows[i]`` under ``hashes[i]`` (a chain whose first parent is ``parent``, the
-        first block ``depth``-th of it);
-        returns how many blocks were written. Takes free blocks only as the pool can give them
-        (evicting the policy's choice, as any allocation does); what does not fit is skipped,
-        and the request computes it."""
+        first block ``depth``-th of it); returns how many blocks were written. Takes free
+        blocks only as the pool can give them (evicting the policy's choice, as any allocation
+        does); what does not fit is skipped, and the request computes it."""
         self.collect()
         pool = self.kv.pool
         todo = [i for i, h in enumerate(hashes) if pool.lookup(h) is None]
@@ -43,19 +42,14 @@ class BlockAdopter:
         if not todo:
             return 0
         blocks = pool.get_new_blocks(len(todo))
+        span = rows[todo[0]: todo[-1] + 1]
         start = end = None
-        if rows.device.type == "cuda":
+        if rows.device.type == "cuda":  # one peer DMA of the span (copy engines), then a local scatter
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        src = rows
-        if rows.device.type == "cuda":  # one peer DMA of the span (copy engines), then a local scatter
-            src = torch.empty((todo[-1] + 1 - todo[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
-            src.copy_(rows[todo[0]: todo[-1] + 1])
-            todo_local = [i - todo[0] for i in todo]
-        else:
-            todo_local = todo
-        self.runner.write_blocks([b.block_id for b in blocks],
-                                 src[todo_local] if len(todo_local) < src.shape[0] else src)
+            span = torch.empty_like(span).copy_(span)
+        local = [i - todo[0] for i in todo]
+        self.runner.write_blocks([b.block_id for b in blocks], span if len(local) == len(span) else span[local])
         if end is not None:
             end.record()
         self._reading.append((start, end, rows))
