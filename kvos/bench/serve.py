@@ -59,7 +59,7 @@ def percentiles(xs: list[float]) -> dict:
 
 async def one(client, url: str, headers: dict, body: dict) -> dict:
     """One streaming completion; the first chunk with text (or token ids) marks the first token."""
-    t0 = time.perf_counter()
+    t0, sent = time.perf_counter(), time.time()
     first, tokens, cached, ids = None, 0, 0, []
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
@@ -78,13 +78,14 @@ async def one(client, url: str, headers: dict, body: dict) -> dict:
                     first = time.perf_counter()
     end = time.perf_counter()
     ttft = (first or end) - t0
-    return {"ttft": ttft, "e2e": end - t0, "tokens": tokens, "cached": cached, "token_ids": ids,
+    return {"ttft": ttft, "e2e": end - t0, "sent": sent, "tokens": tokens, "cached": cached, "token_ids": ids,
             "tpot": (end - (first or end)) / (tokens - 1) if tokens > 1 else None}
 
 
-async def drive(url: str, headers: dict, bodies: list[dict], concurrency: int) -> dict:
-    """Send ``bodies`` with at most ``concurrency`` streams open; results in order, and the wall
-    clock (``time.time``) of the first send and the last end."""
+async def drive(url: str, headers: dict, bodies: list[dict], concurrency: int, start_at: float = 0.0) -> dict:
+    """Send ``bodies`` with at most ``concurrency`` streams open, from the wall-clock time
+    ``start_at`` (``time.time``) on; results in order, and the wall clock of the first send and
+    the last end."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -95,6 +96,7 @@ async def drive(url: str, headers: dict, bodies: list[dict], concurrency: int) -
             async with sem:
                 return await one(client, url, headers, body)
 
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         start = time.time()
         results = await asyncio.gather(*(run(b) for b in bodies))
         return {"results": results, "start": start, "end": time.time()}
@@ -104,19 +106,29 @@ def _drive_process(args: tuple) -> dict:
     return asyncio.run(drive(*args))
 
 
+START_DELAY_S = 5.0
+
+
 def drive_processes(url: str, headers: dict, bodies: list[dict], concurrency: int, processes: int) -> tuple[list, float]:
     """``drive`` split across ``processes`` (request i goes to process i mod P, each with its share
     of the concurrency); results in request order, and the wall time from the first send to the
-    last end."""
+    last end. The processes start sending together, ``START_DELAY_S`` after they are spawned
+    (each imports its client first): a process still starting would leave its share of the
+    concurrency idle, and the wall time would count the skew."""
     if processes <= 1:
         parts = [_drive_process((url, headers, bodies, concurrency))]
     else:
-        shares = [(url, headers, bodies[i::processes], max(1, concurrency // processes)) for i in range(processes)]
+        start_at = time.time() + START_DELAY_S
+        shares = [(url, headers, bodies[i::processes], max(1, concurrency // processes), start_at)
+                  for i in range(processes)]
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
             parts = pool.map(_drive_process, shares)
     results: list = [None] * len(bodies)
     for i, part in enumerate(parts):
         results[i::max(1, processes)] = part["results"]
+    skew = max(p["start"] for p in parts) - min(p["start"] for p in parts)
+    if skew > 0.05:
+        print(f"warning: the client processes started sending {skew:.2f} s apart", file=sys.stderr, flush=True)
     return results, max(p["end"] for p in parts) - min(p["start"] for p in parts)
 
 
@@ -157,11 +169,42 @@ def _offline(engine_args: str, prompts: list[list[int]], max_tokens: int, temper
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                             seed=0 if temperature else None)
     llm.generate([{"prompt_token_ids": q} for q in prompts[:8]], params, use_tqdm=False)
+    before = _step_counters(llm.engine.stats())
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    steps = _step_figures(before, _step_counters(llm.engine.stats()))
     out.put({"wall_s": wall, "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
-             "token_ids": [o.outputs[0].token_ids for o in outs]})
+             "ttft_s": percentiles([o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]),
+             "engine_steps": steps, "token_ids": [o.outputs[0].token_ids for o in outs]})
+
+
+_COUNTERS = {"steps": "kvos:engine_steps_total", "step_seconds": "kvos:engine_step_seconds_total",
+             "batched_tokens": "kvos:engine_batched_tokens_total"}
+
+
+def _step_counters(stats: dict) -> dict:
+    return {k: float(stats.get(k, 0)) for k in _COUNTERS}
+
+
+def _scraped_step_counters(url: str) -> dict:
+    """The engines' step counters from the server's ``/metrics``."""
+    import httpx
+
+    found = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        for key, name in _COUNTERS.items():
+            if line.startswith(name + " "):
+                found[key] = float(line.split()[-1])
+    return found
+
+
+def _step_figures(before: dict, after: dict) -> dict:
+    """Steps between two counter readings: how many, their mean wall time and tokens."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS}
+    n = max(d["steps"], 1.0)
+    return {"steps": int(d["steps"]), "batched_tokens": int(d["batched_tokens"]), "mean_step_ms": 1000 * d["step_seconds"] / n,
+            "mean_tokens_per_step": d["batched_tokens"] / n}
 
 
 def _free_port() -> int:
@@ -206,14 +249,21 @@ def launched(a: argparse.Namespace) -> dict:
         bodies = [{"prompt": q, "stream": True, "stream_options": {"include_usage": True}, **seed,
                    "temperature": a.temperature, "ignore_eos": True, "max_tokens": a.max_tokens} for q in prompts]
         drive_processes(url, {}, bodies[:8], 8, 1)  # the same warm-up as offline
+        time.sleep(2 * 0.1)  # the engines' stats refresh at least every 0.1 s
+        before = _scraped_step_counters(url)
         results, wall = drive_processes(url, {}, bodies, a.concurrency, a.client_processes)
+        time.sleep(2 * 0.1)
+        steps = _step_figures(before, _scraped_step_counters(url))
     finally:
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
-    http = summarize(results, wall)
+    t_first = min(r["sent"] for r in results if "sent" in r)  # per request: sent (s after the first), TTFT, e2e
+    http = {**summarize(results, wall), "engine_steps": steps,
+            "requests": [[round(r["sent"] - t_first, 3), round(r["ttft"], 3), round(r["e2e"], 3)]
+                         for r in results if "sent" in r]}
     phases = [line.split(": ", 2)[-1] for line in Path(log.name).read_text().splitlines()
               if "start-up:" in line or "warm-up done" in line]
     same = sum(r.get("token_ids") == ids for r, ids in zip(results, offline["token_ids"]))
@@ -248,6 +298,9 @@ def run(a: argparse.Namespace) -> dict:
                              "ttft_p90_ms": round(res["http"]["ttft_s"].get("p90", 0) * 1000, 1),
                              "tpot_p50_ms": round(res["http"]["tpot_s"].get("p50", 0) * 1000, 1),
                              "tpot_p90_ms": round(res["http"]["tpot_s"].get("p90", 0) * 1000, 1),
+                             "offline_ttft_p50_ms": round(res["offline"]["ttft_s"].get("p50", 0) * 1000, 1),
+                             "offline_steps": res["offline"]["engine_steps"],
+                             "http_steps": res["http"]["engine_steps"],
                              "failed": res["http"]["requests_failed"]}
         return _save(a, result)
     import httpx

@@ -12,6 +12,7 @@ from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.pins import PinInfo
 from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.distributed.engines import TRANSPORTS, EngineDied, ProcessEngines, RayEngines
+from kvos.distributed.output_delta import OutputAccumulator
 from kvos.distributed.worker import EngineInfo, PollResult
 from kvos.engine.sampling_params import SamplingParams
 from kvos.router.policies import DEFAULT_KV_WEIGHT, EngineLoad, Router, make_router
@@ -35,6 +36,8 @@ class _InFlight:
     delivered: bool = False
     prefill_engine: int = -1
     """Disaggregated prefill: the engine that computed the prompt, until its blocks are handed over."""
+    output: OutputAccumulator | None = None
+    """Its output so far on ``engine`` (rebuilt from the engine's deltas; reset when re-sent)."""
 
 
 @dataclass
@@ -249,6 +252,7 @@ class DataParallelEngine:
                 raise EngineUnavailable("no engine is up to take this request; retry later")
             e = self.router.choose(rec.hashes, self.loads[: self.num_decode])
             rec.engine, rec.predicted = e, self.router.predicted_hits(e, rec.hashes)
+            rec.output = None
             self._inflight[rec.request_id] = rec
             self.router.on_routed(e, rec.hashes)  # (before the awaits: a burst sees this choice)
             self._count(e, rec)
@@ -352,11 +356,13 @@ class DataParallelEngine:
             await self._apply(i, res)
 
     async def _apply(self, i: int, res: PollResult) -> None:
-        for out in res.outputs:
-            rec = self._inflight.get(out.request_id)
+        for delta in res.outputs:
+            rec = self._inflight.get(delta[0])
             if rec is None or rec.engine != i:
                 continue  # aborted, or moved to another engine
-            out.prompt, out.prompt_token_ids = rec.prompt.get("prompt"), rec.prompt["prompt_token_ids"]
+            if rec.output is None:
+                rec.output = OutputAccumulator(rec.prompt.get("prompt"), rec.prompt["prompt_token_ids"])
+            out = rec.output.apply(delta)
             out.metrics["engine"] = i
             if not rec.delivered:
                 rec.delivered = True

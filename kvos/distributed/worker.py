@@ -12,6 +12,7 @@ from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.pins import PinInfo
 from kvos.distributed.block_export import BlockExports
 from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
+from kvos.distributed.output_delta import DeltaEncoder, OutputDelta
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
 from kvos.router.policies import EngineLoad
@@ -33,8 +34,8 @@ class EngineInfo:
 
 @dataclass
 class PollResult:
-    outputs: list[RequestOutput] = field(default_factory=list)
-    """The latest cumulative output of every request that changed since the last poll."""
+    outputs: list[OutputDelta] = field(default_factory=list)
+    """What every request that changed since the last poll gained (``DeltaEncoder``)."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests a failed step cut, with the error."""
     events: list[KVEventBatch] = field(default_factory=list)
@@ -50,7 +51,8 @@ class EngineWorker:
     ``poll`` may be called from other threads (a Ray actor with ``max_concurrency`` > 1): they
     hand commands over under ``_lock`` and wait on ``_changed``. Outputs are coalesced per
     request (each is cumulative), so a slow poller never grows memory beyond one output per
-    request in flight. Outputs travel without their prompt (the front end has it).
+    request in flight. A poll answers with deltas (``DeltaEncoder``: what each request gained
+    since the previous poll), encoded under ``_lock``.
     """
 
     STATS_EVERY_S = 0.1
@@ -75,6 +77,8 @@ class EngineWorker:
         self._changed = threading.Condition(self._lock)
         self._cmds: list[tuple] = []
         self._outputs: dict[str, RequestOutput] = {}
+        self._encoder = DeltaEncoder()
+        self._aborted: list[str] = []
         self._failed: dict[str, str] = {}
         self._events: list[KVEventBatch] = []
         self._load = EngineLoad()
@@ -134,8 +138,8 @@ class EngineWorker:
                 if left <= 0:
                     break
                 self._changed.wait(left)
-            res = PollResult(list(self._outputs.values()), self._failed, self._events, self._load,
-                             self._stats)
+            res = PollResult([self._encoder.encode(o) for o in self._outputs.values()], self._failed,
+                             self._events, self._load, self._stats)
             self._outputs, self._failed, self._events = {}, {}, []
         return res
 
@@ -230,6 +234,7 @@ class EngineWorker:
             else:
                 e.abort_request(arg)
                 self.exports.hold(arg)
+                self._aborted.append(arg)
 
     def _release_blocks(self, blocks) -> None:
         """Any thread: drop references on the stepping thread (``BlockExports``)."""
@@ -272,8 +277,11 @@ class EngineWorker:
                 stats, self._stats_at = {**e.stats(), "pid": os.getpid()}, now
             with self._lock:
                 for out in outputs:
-                    out.prompt, out.prompt_token_ids = None, []
                     self._outputs[out.request_id] = out
+                for rid in (*self._aborted, *failed):  # no output of theirs comes any more
+                    self._outputs.pop(rid, None)
+                    self._encoder.forget(rid)
+                self._aborted.clear()
                 self._failed.update(failed)
                 if batch is not None:
                     self._events.append(batch)

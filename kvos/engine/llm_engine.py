@@ -149,6 +149,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.scheduling_policy, config.preemption_order,
                                                    config.fairness_steps, config.eviction_lookahead), self.kv)
+        self.steps, self.step_seconds, self.batched_tokens = 0, 0.0, 0
+        """Steps scheduled, wall seconds spent inside ``step``, tokens those steps computed."""
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -313,6 +315,13 @@ class LLMEngine:
         """Schedule and launch one step, then finish one: the same step, or with async
         scheduling the step launched by the previous call (so host work overlaps the device).
         Returns outputs of requests that changed."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         if self.offload is not None:
             self.offload.install_ready()
         if self._adopter is not None and self._adopter.busy:
@@ -327,6 +336,9 @@ class LLMEngine:
             if out.is_empty and not out.finished_ids and self._in_flight is None:
                 self.offload.install_ready(block=True)  # nothing to run until a load or lookup lands
                 return []
+        if not out.is_empty:
+            self.steps += 1
+            self.batched_tokens += out.num_batched_tokens
         launched = self.runner.launch(describe_step(out))
         if not self.async_scheduling:
             return self._finish_step(out, launched)
@@ -413,7 +425,8 @@ class LLMEngine:
     def stats(self) -> dict:
         s = {**self.kv.stats(), "num_blocks": self.kv.pages.num_pages, "kv_cache_dtype": self.kv_cache_dtype,
              "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting(),
-             "loading": len(self.scheduler.loading)}
+             "loading": len(self.scheduler.loading), "steps": self.steps, "step_seconds": self.step_seconds,
+             "batched_tokens": self.batched_tokens}
         if self.offload is not None:
             s["tiers"] = self.offload.h.usage()
         if self._adopter is not None:

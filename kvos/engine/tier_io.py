@@ -2,11 +2,10 @@
 copy on a side CUDA stream."""
 from __future__ import annotations
 
-import itertools
 import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +49,8 @@ class TierIO:
     order they were submitted; ``install`` only on the engine thread. Every tier write therefore
     happens on that one thread, which is what makes CPU-tier slot reuse safe: a payload from
     ``Tier.get`` may alias a slot that the next put into the tier rewrites, and no put can run
-    while ``fetch`` still uses its payloads. ``fetch`` finds all blocks first (finding writes no
-    slot), copies each out, waits until the copies are complete and every find has ended (also
+    while ``fetch`` still uses its payloads. ``fetch`` finds the blocks (finding writes no slot)
+    and copies each out, waits until the copies are complete and every find has ended (also
     when it fails midway), and only then promotes lower-tier hits (puts, which may evict and
     rewrite slots) and returns, letting the next store run. The finds run on ``verify_threads``
     helper threads (checksums dominate a load, and xxh3 releases the GIL); they only read tiers,
@@ -156,22 +155,26 @@ class TierIO:
         found: list[tuple[BlockHash, bytes | memoryview, int, int | None]] = []
         ready = None
         digests: list[int] = []
-        lead: list[tuple[bytes | memoryview, int, int | None]] = []
+        finds: list[Future] = []
         first = self.h.tiers[0] if self.h.tiers else None
-        if getattr(first, "digests", False):  # nothing to hash: its leading hits are found here
-            for key in hashes:
-                got = first.get_for_load(key) if first.contains(key) else None
-                if got is None:
-                    break
-                lead.append((got[0], 0, got[1]))
-        finds = [self.verifiers.submit(self.h.find, key) for key in hashes[len(lead):]]
         with torch.cuda.stream(self.stream):  # a no-op without a stream (CPU)
             try:
                 rows = torch.empty(len(hashes), bb, dtype=torch.uint8, device=self.device)
-                for key, got in zip(hashes, itertools.chain(lead, (f.result() for f in finds))):
+                stopped = False
+                if getattr(first, "digests", False):  # nothing to hash: each leading hit's copy is issued
+                    for key in hashes:                # as soon as it is found, overlapping the next finds
+                        got = first.get_for_load(key) if first.contains(key) else None
+                        if got is None or len(got[0]) != bb:
+                            stopped = got is not None
+                            break
+                        # a CPU-tier payload aliases a pinned slot: asynchronous DMA, no staging
+                        rows[len(found)].copy_(_as_tensor(got[0]), non_blocking=True)
+                        found.append((key, got[0], 0, got[1]))
+                if not stopped:
+                    finds = [self.verifiers.submit(self.h.find, key) for key in hashes[len(found):]]
+                for key, got in zip(hashes[len(found):], (f.result() for f in finds)):
                     if got is None or len(got[0]) != bb:
                         break
-                    # a CPU-tier payload aliases a pinned slot: asynchronous DMA, no staging
                     rows[len(found)].copy_(_as_tensor(got[0]), non_blocking=True)
                     found.append((key, *got))
                 if self.digests and found:  # queued behind the copies, on the same stream

@@ -1,6 +1,7 @@
 """Find a model (default package, GGUF file or HF folder) and build model + tokenizer."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -135,6 +136,27 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+_INIT_FUNCTIONS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                   "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def _skip_weight_init():
+    """Module constructors leave their weights uninitialised (``torch.nn.init`` does nothing):
+    for models built on the meta device, whose every weight is loaded or drawn afterwards.
+    Initialising a meta tensor goes through torch's reference kernels, whose first call imports
+    ``torch._dynamo`` (with sympy): seconds of start-up for nothing. Process-wide while it lasts:
+    call it only where no other thread builds modules (model loading)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 @functools.lru_cache(maxsize=2)
 def load_model(path: Path, dtype: torch.dtype, device: torch.device,
                random_weights: bool = False) -> tuple[ModelConfig, torch.nn.Module]:
@@ -146,7 +168,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     ``Gemma3ForCausalLM.RANDOM_NORM_STD``) from a fixed seed, so two loads give the same model."""
     if random_weights:
         cfg = ModelConfig.from_hf(json.loads(path.read_text()), name=path.stem)
-        with torch.device("meta"):
+        with torch.device("meta"), _skip_weight_init():
             model = cast_model(model_class(cfg)(cfg), dtype)
         model = model.to_empty(device=device)
         init_random_weights(model, seed=0)
@@ -154,7 +176,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
             model.lm_head.weight = model.embed_tokens.weight
     else:
         cfg, weights = load_weights(path)
-        with torch.device("meta"):
+        with torch.device("meta"), _skip_weight_init():
             model = model_class(cfg)(cfg)
         model = model.to_empty(device="cpu")
         model.load_hf_weights(weights)

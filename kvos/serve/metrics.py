@@ -65,8 +65,11 @@ class _EngineCollector(Collector):
             ("kvos:num_preemptions", "preemptions", "Sequences preempted (recompute)."),
             ("kvos:recomputed_tokens", "recomputed_tokens", "Tokens computed again after preemption or eviction."),
             ("kvos:kv_cache_cow_copies", "cow_copies", "Copy-on-write block copies."),
+            ("kvos:engine_steps", "steps", "Engine steps run (summed over engines)."),
+            ("kvos:engine_step_seconds", "step_seconds", "Wall time inside engine steps (summed over engines)."),
+            ("kvos:engine_batched_tokens", "batched_tokens", "Tokens the engine steps computed."),
         ]:
-            yield CounterMetricFamily(name, doc, value=s[key])
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         yield CounterMetricFamily("kvos:tier_hit_tokens", "Prompt tokens loaded from tiers below the device.",
                                   value=s["tier_hits_tokens"])
         tiers = s.get("tiers", [])
