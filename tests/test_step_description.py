@@ -71,3 +71,13 @@ def test_steps_as_plain_data_give_identical_outputs(make_llm):
     llm, hits, remote = run(True)
     assert remote == local
     assert llm.engine.runner.steps > 10 and hits[0] > 0 and hits[1] > 0
+
+
+def test_an_engine_collects_young_garbage_less_often(llm):
+    """An engine raises the collector's young-generation threshold (``relax_gc_thresholds``):
+    at CPython's default of 700 the per-step containers were collected many times per step."""
+    import gc
+
+    from kvos.engine.gc_tuning import GEN0_THRESHOLD
+
+    assert llm is not None and gc.get_threshold()[0] >= GEN0_THRESHOLD > 700

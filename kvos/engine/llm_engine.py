@@ -22,6 +22,7 @@ from kvos.engine.block_adoption import BlockAdopter
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
 from kvos.engine.step import describe_step
+from kvos.engine.gc_tuning import relax_gc_thresholds
 from kvos.engine.outputs import CompletionOutput, RequestOutput
 from kvos.engine.request import Request, RequestStatus
 from kvos.engine.sampling_params import SamplingParams
@@ -149,6 +150,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.scheduling_policy, config.preemption_order,
                                                    config.fairness_steps, config.eviction_lookahead), self.kv)
+        relax_gc_thresholds()
         self.steps, self.step_seconds, self.batched_tokens = 0, 0.0, 0
         """Steps scheduled, wall seconds spent inside ``step``, tokens those steps computed."""
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
