@@ -82,11 +82,11 @@ class ModelCost:
         return cls(weight_bytes=total * dtype_bytes, matmul_params=total,
                    kv_bytes_per_token=kv_per_token,
                    attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
-                   layer_windows=tuple(cfg.layer_windows()))
+                   layer_windows=tuple(cfg.layer_windows()) if any(cfg.layer_windows()) else ())
 
     def decode_seconds(self, contexts: list[int], ceilings: dict) -> float:
         """Roofline time of a decode step over sequences of these context lengths."""
-        keys = sum(self._keys(c) for c in contexts)
+        keys = sum(map(self._keys, contexts)) if self.layer_windows else sum(contexts)
         kv_read = keys * self.kv_bytes_per_token
         flops = 2 * self.matmul_params * len(contexts) + self.attn_flops_per_pair * keys
         return max((self.weight_bytes + kv_read) / (ceilings["hbm_GBps"] * 1e9),
