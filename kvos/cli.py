@@ -211,7 +211,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvos.config import EngineConfig
+    from kvos.config import EngineConfig, resolve_device
     from kvos.engine.chat import has_chat_template
     from kvos.engine.llm_engine import LLMEngine
     from kvos.serve.app import create_app
@@ -224,7 +224,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     several = a.data_parallel > 1 or bool(a.prefill_engines)
     transport = a.transport
     if transport == "auto":
-        cuda = str(a.device).startswith("cuda")
+        cuda = resolve_device(str(a.device)).startswith("cuda")
         transport = ("ray" if a.ray_address or not cuda else "process") if several else "process" if cuda else "thread"
     if transport == "thread" and several:
         raise SystemExit("--transport thread runs one engine; several need ray or process")

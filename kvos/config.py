@@ -63,7 +63,8 @@ class EngineConfig:
         "choices": KV_CACHE_DTYPES,
         "help": "KV cache storage: the model's dtype (auto), or 8-bit with a float32 scale per token "
                 "and kv head (about half of bf16's bytes)"})
-    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+    device: str = field(default="auto", metadata={
+        "help": "torch device, e.g. cpu or cuda; auto: cuda when a GPU is visible, else cpu"})
     scheduling_policy: str = field(default="fcfs", metadata={
         "choices": SCHEDULING_POLICIES,
         "help": "fcfs: arrival order; priority: lower value first; lpm: longest cached prefix first"})
@@ -163,3 +164,13 @@ class EngineConfig:
             from kvos.cache.tiers.codec import load_key_file
 
             load_key_file(self.tier_encryption_key_file)  # raises ValueError naming tier_encryption_key_file
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` as the device it means here: ``cuda`` when torch sees a GPU, else ``cpu``;
+    any other name unchanged."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

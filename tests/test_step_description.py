@@ -81,3 +81,16 @@ def test_an_engine_collects_young_garbage_less_often(llm):
     from kvos.engine.gc_tuning import GEN0_THRESHOLD
 
     assert llm is not None and gc.get_threshold()[0] >= GEN0_THRESHOLD > 700
+
+
+def test_device_auto_is_the_gpu_torch_sees_else_the_cpu(llm):
+    """``--device auto`` (the default) is ``cuda`` where torch sees a GPU, else ``cpu``; other
+    names pass through. The shared engine was built with the default."""
+    import torch
+
+    from kvos.config import EngineConfig, resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert EngineConfig().device == "auto" and resolve_device("auto") == expected
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    assert llm.engine.runner.device.type == expected

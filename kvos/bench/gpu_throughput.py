@@ -10,6 +10,8 @@ import statistics
 import time
 from pathlib import Path
 
+from kvos.config import resolve_device
+
 
 def add_gpu_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("GPU workloads (with --random-weights or a CUDA device)")
@@ -157,7 +159,7 @@ def run(a: argparse.Namespace) -> dict:
     kw["max_num_seqs"] = max(kw["max_num_seqs"], max(a.batch_sizes))
     path = resolve_config_path(kw["model"])
     dtype = parse_dtype(kw["dtype"] or "bfloat16")
-    model = load_model(path, dtype, torch.device(kw["device"]), True)[1]  # the engine reuses it
+    model = load_model(path, dtype, torch.device(resolve_device(kw["device"])), True)[1]  # the engine reuses it
     cfg = model.cfg
     vocab = cfg.vocab_size
     cost = ModelCost.of(model, dtype.itemsize)

@@ -10,6 +10,8 @@ import json
 import time
 from pathlib import Path
 
+from kvos.config import resolve_device
+
 LAYOUTS = ("homogeneous", "equal_pages", "unified")
 
 
@@ -89,7 +91,7 @@ def run(a: argparse.Namespace) -> dict:
     from kvos.cli import engine_kwargs
 
     kw = engine_kwargs(a)
-    cuda = kw["device"].startswith("cuda")
+    cuda = resolve_device(kw["device"]).startswith("cuda")
     ceilings = measure_ceilings() if cuda else {"hbm_GBps": 1.0, "bf16_gemm_TFLOPs": 1.0}
     result: dict = {"machine": machine_info(), "model": kw["model"], "ceilings": ceilings,
                     "engine": {k: v for k, v in kw.items() if k not in ("model", "kv_layout")}, "layouts": {}}

@@ -10,6 +10,8 @@ import json
 import time
 from pathlib import Path
 
+from kvos.config import resolve_device
+
 KV_DTYPES = ("auto", "fp8_e4m3", "int8")
 
 
@@ -49,7 +51,7 @@ def run(a: argparse.Namespace) -> dict:
     from kvos.cli import engine_kwargs
 
     kw = engine_kwargs(a)
-    cuda = kw["device"].startswith("cuda")
+    cuda = resolve_device(kw["device"]).startswith("cuda")
     if a.micro_batches:
         kw["max_num_seqs"] = max(kw["max_num_seqs"], max(a.micro_batches))
     ceilings = measure_ceilings() if cuda else {"hbm_GBps": 1.0, "bf16_gemm_TFLOPs": 1.0}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvos.bench import gpu_throughput
 from kvos.bench.gpu_throughput import add_gpu_args
+from kvos.config import resolve_device
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -109,7 +110,7 @@ def run_ttft(llm, a, vocab: int, special: set[int]) -> dict:
 
 
 def run(a: argparse.Namespace) -> dict:
-    if a.random_weights or a.device.startswith("cuda"):
+    if a.random_weights or resolve_device(a.device).startswith("cuda"):
         a.output = a.output or "benchmarks/results/throughput-gpu.json"
         return gpu_throughput.run(a)
     a.output = a.output or "benchmarks/results/throughput-cpu.json"

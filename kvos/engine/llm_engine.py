@@ -17,7 +17,7 @@ from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import build_layout
 from kvos.cache.pins import Pin, PinInfo, PinnedPrefixes
-from kvos.config import EngineConfig
+from kvos.config import EngineConfig, resolve_device
 from kvos.engine.block_adoption import BlockAdopter
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.offload import OffloadManager, build_hierarchy
@@ -109,8 +109,9 @@ class LLMEngine:
             path = resolve_model_path(config.model)
             self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         self.model_path = path
-        dtype = parse_dtype(config.dtype or ("bfloat16" if config.device.startswith("cuda") else "float32"))
-        self.runner = ModelRunner(path, dtype, torch.device(config.device), random_weights=config.random_weights)
+        device = resolve_device(config.device)
+        dtype = parse_dtype(config.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        self.runner = ModelRunner(path, dtype, torch.device(device), random_weights=config.random_weights)
         mc = self.model_config = self.runner.cfg
         t_weights = time.perf_counter()
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
