@@ -152,6 +152,24 @@ def test_abort_frees_blocks_at_once(llm):
     assert llm.stats()["used"] == 0 and not eng.has_unfinished_requests()
 
 
+def test_final_only_steps_return_each_finished_request_once_as_a_full_step_would(llm):
+    """``step(final_only=True)`` (what ``LLM.generate`` uses) builds no output for a running
+    request, and the finished ones equal those of plain steps."""
+    eng = llm.engine
+
+    def run(final_only: bool) -> list:
+        ids = [eng.add_request("Count to ten.", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+               for n in (2, 6)]
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step(final_only=final_only)
+        return [o for o in outs if o.request_id in ids]
+
+    plain, final = run(False), run(True)
+    assert len(plain) > 2 and all(o.finished for o in final) and len(final) == 2
+    assert [o.outputs[0].token_ids for o in final] == [o.outputs[0].token_ids for o in plain if o.finished]
+
+
 @pytest.mark.parametrize("make_params, field", [
     (lambda: SamplingParams(max_tokens=0), "max_tokens"),
     (lambda: SamplingParams(temperature=-1), "temperature"),

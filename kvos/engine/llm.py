@@ -72,7 +72,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)

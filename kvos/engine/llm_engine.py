@@ -314,17 +314,18 @@ class LLMEngine:
                 pending.on_done(result)
 
     # -- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedule and launch one step, then finish one: the same step, or with async
         scheduling the step launched by the previous call (so host work overlaps the device).
-        Returns outputs of requests that changed."""
+        Returns outputs of requests that changed; with ``final_only``, only of those that
+        finished (vLLM's ``FINAL_ONLY``: no output is built for a request still running)."""
         t0 = time.perf_counter()
         try:
-            return self._step()
+            return self._step(final_only)
         finally:
             self.step_seconds += time.perf_counter() - t0
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, final_only: bool) -> list[RequestOutput]:
         if self.offload is not None:
             self.offload.install_ready()
         if self._adopter is not None and self._adopter.busy:
@@ -344,15 +345,16 @@ class LLMEngine:
             self.batched_tokens += out.num_batched_tokens
         launched = self.runner.launch(describe_step(out))
         if not self.async_scheduling:
-            return self._finish_step(out, launched)
+            return self._finish_step(out, launched, final_only)
         previous, self._in_flight = self._in_flight, (out, launched)
-        outputs = self._finish_step(*previous) if previous is not None else []
+        outputs = self._finish_step(*previous, final_only) if previous is not None else []
         if out.is_empty:  # nothing in flight: report its finished requests now
             self._in_flight = None
-            outputs += self._finish_step(out, launched)
+            outputs += self._finish_step(out, launched, final_only)
         return outputs
 
-    def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+    def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep, final_only: bool = False
+                     ) -> list[RequestOutput]:
         sampled = self.runner.collect(launched)
         for rid, (first, rows) in self.runner.collect_prompt_logprobs(launched).items():
             group = self._seq_group.get(rid)
@@ -379,6 +381,8 @@ class LLMEngine:
         outputs = []
         for group in touched.values():
             finished = group.finished()
+            if final_only and not finished:
+                continue
             outputs.append(self._output(group, finished, now))
             if finished:
                 self._groups.pop(group.request_id, None)
