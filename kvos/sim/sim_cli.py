@@ -88,7 +88,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--tier-write-policy", default="write_through", choices=["write_through", "write_back"])
     t.add_argument("--tier-lookahead", type=int, default=1024,
                    help="waiting requests whose tier blocks are evicted last (the engine's --tier-lookahead; 0: off)")
-    t.add_argument("--tier-bandwidth-gbs", type=float, default=27.0,
+    t.add_argument("--tier-bandwidth-gbs", type=float, default=37.0,
                    help="tier-to-device load rate in GB/s (kvos's measured CPU-tier loads on an H100 host)")
     f = p.add_argument_group("a fleet of engines behind a router")
     f.add_argument("--engines", type=int, default=1, help="simulated engines (1: a single engine, no router)")

@@ -19,9 +19,10 @@ class SimTierConfig:
     """Host-memory slots, in device blocks."""
     policy: str = "lru"
     write_policy: str = "write_through"
-    load_bandwidth: float = 27e9
-    """Bytes/s of a tier-to-device load: kvos's measured CPU-tier load rate on the H100 host
-    (pinned host-to-device is 55 GB/s; xxh3 verification on host threads halves it)."""
+    load_bandwidth: float = 37e9
+    """Bytes/s of a tier-to-device load: kvos's measured CPU-tier load rate on an H100 host
+    (36.5–38.8 GB/s with digests checked on the device, against 52–55 GB/s pinned
+    host-to-device; ``kvos bench tier-bandwidth``, 2026-11-27)."""
     lookahead: int = 1024
     """Waiting requests whose tier blocks are evicted last, farthest in the queue first (0: the
     tier's policy alone); the engine's ``tier_lookahead``."""
