@@ -304,6 +304,8 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvos`` parser, every subcommand (each sets ``fn``, the function that runs it)."""
+    from kvos.router.policies import DEFAULT_KV_WEIGHT
+
     p = argparse.ArgumentParser(prog="kvos", description="LLM inference with the KV cache as virtual memory")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete one prompt, streaming tokens")
@@ -350,9 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--router", default="kv_aware", choices=["round_robin", "least_loaded", "kv_aware", "approx"],
                     help="kv_aware: the engine already holding most of the prompt's prefix (from its KV events), "
                          "weighed against its load; approx: the same from the router's own record, no events")
-    dp.add_argument("--kv-weight", type=float, default=16.0,
+    dp.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT,
                     help="kv_aware/approx: weight of the prefill an engine would do (prompt blocks it lacks plus "
-                         "its queued prefill) against its active decode blocks")
+                         "a quarter of its queued prefill) against its active decode blocks")
     dp.add_argument("--prefill-engines", type=_positive(int), default=None, metavar="P",
                     help="disaggregated prefill: P engines compute prompts and send their KV blocks to the decode "
                          "engines (--decode-engines), which generate")

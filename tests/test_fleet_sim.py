@@ -11,6 +11,7 @@ import pytest
 from kvos.cache.events import BlockRemoved, BlockStored, KVEventBatch
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.router import ROUTERS, Approx, EngineLoad, KVAware, LeastLoaded, RoundRobin, make_router
+from kvos.router.policies import DEFAULT_QUEUE_WEIGHT
 from kvos.sim.cost_model import CostModel
 from kvos.sim.fleet import FleetSimulator
 from kvos.sim.hardware import GPUS
@@ -83,8 +84,16 @@ def test_kv_aware_prefers_the_longest_cached_prefix_and_trades_it_against_load()
     assert r.choose(req, busy1) == 1
     r.overlap_weight = 0.0  # pure decode balance: 0, 4, 0 -> engine 0 (equal load, lower number)
     assert r.choose(req, busy1) == 0
-    # evicting the first block ends the prefix there
+    # engine 1 holds the prefix behind 4 blocks of pending prefill: Dynamo's cost (queue weight 1)
+    # sends the request to idle engine 0 (costs 3, 4, 4); at 0.25 the queue costs 1 and it stays
     r.overlap_weight = 1.0
+    queued1 = [IDLE, EngineLoad(prefill_tokens=16), EngineLoad(prefill_tokens=16)]
+    r.queue_weight = 1.0
+    assert [r.cost(e, req, queued1[e]) for e in range(3)] == [3, 4, 6] and r.choose(req, queued1) == 0
+    r.queue_weight = 0.25
+    assert [r.cost(e, req, queued1[e]) for e in range(3)] == [3, 1, 3] and r.choose(req, queued1) == 1
+    assert KVAware(2).queue_weight == DEFAULT_QUEUE_WEIGHT < 1
+    # evicting the first block ends the prefix there
     assert r.on_events(1, KVEventBatch("engine-1", "e", 2, (BlockRemoved(req[0]),)))
     assert r.predicted_hits(1, req) == 0 and r.choose(req, [IDLE] * 3) == 2
 
@@ -253,9 +262,9 @@ def test_cli_bench_routing(tmp_path):
     assert png.stat().st_size > 0 and report["machine"]
     rows = report["results"]
     assert {r["label"] for r in rows} == {"one engine, all the memory", "round_robin", "least_loaded",
-                                         "kv_aware w=1", "kv_aware w=16", "approx w=1", "approx w=16"}
+                                         "kv_aware w=1", "kv_aware w=64", "approx w=1", "approx w=64"}
     assert all(r["engines"] == 2 for r in rows)
     summary = report["summary"][0]
-    assert summary["engines"] == 2 and "kv_aware w=16 of reference hit" in summary
+    assert summary["engines"] == 2 and "kv_aware w=64 of reference hit" in summary
     ref = next(r for r in rows if r["router"] == "one engine, all the memory")
     assert ref["time_scale"] == pytest.approx(2 * report["time_scales"]["2"])

@@ -52,7 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=0, help="first N requests of the trace (0: all)")
     p.add_argument("--engines", type=int, nargs="+", default=[4, 16, 64], help="fleet sizes")
     p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
-    p.add_argument("--kv-weights", type=float, nargs="+", default=[1.0, 16.0],
+    p.add_argument("--kv-weights", type=float, nargs="+", default=[1.0, 64.0],
                    help="kv_aware/approx overlap weights to compare (1: Dynamo's default)")
     p.add_argument("--blocks", type=int, default=None, help="512-token KV blocks per engine (default: what the GPU "
                                                             "holds at --gpu-memory-utilization)")

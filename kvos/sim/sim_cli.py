@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from kvos.cache.eviction import POLICIES
-from kvos.router.policies import ROUTERS
+from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS
 
 EXAMPLES = """examples:
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks unlimited --json
@@ -95,8 +95,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--router", default="kv_aware", choices=list(ROUTERS),
                    help="kv_aware: Dynamo's cost on indexes built from KV events; approx: the same cost on the "
                         "router's own record of what it sent where")
-    f.add_argument("--kv-weight", type=float, default=16.0,
-                   help="kv_aware/approx overlap weight: cost = weight * (queued + uncached prompt blocks) + "
+    f.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT,
+                   help="kv_aware/approx overlap weight: cost = weight * (queued / 4 + uncached prompt blocks) + "
                         "active blocks")
     f.add_argument("--approx-blocks", type=int, default=None,
                    help="approx: prompt blocks remembered per engine (default: the engine's pool size)")
