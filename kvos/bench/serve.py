@@ -179,6 +179,9 @@ def _offline(engine_args: str, prompts: list[list[int]], max_tokens: int, temper
              "engine_steps": steps, "token_ids": [o.outputs[0].token_ids for o in outs]})
 
 
+STATS_REFRESH_S = 0.1
+"""How often a busy engine's figures reach the front end (``EngineWorker.STATS_EVERY_S``)."""
+
 _COUNTERS = {"steps": "kvos:engine_steps_total", "step_seconds": "kvos:engine_step_seconds_total",
              "batched_tokens": "kvos:engine_batched_tokens_total"}
 
@@ -249,10 +252,10 @@ def launched(a: argparse.Namespace) -> dict:
         bodies = [{"prompt": q, "stream": True, "stream_options": {"include_usage": True}, **seed,
                    "temperature": a.temperature, "ignore_eos": True, "max_tokens": a.max_tokens} for q in prompts]
         drive_processes(url, {}, bodies[:8], 8, 1)  # the same warm-up as offline
-        time.sleep(2 * 0.1)  # the engines' stats refresh at least every 0.1 s
+        time.sleep(2 * STATS_REFRESH_S)
         before = _scraped_step_counters(url)
         results, wall = drive_processes(url, {}, bodies, a.concurrency, a.client_processes)
-        time.sleep(2 * 0.1)
+        time.sleep(2 * STATS_REFRESH_S)
         steps = _step_figures(before, _scraped_step_counters(url))
     finally:
         server.send_signal(signal.SIGTERM)

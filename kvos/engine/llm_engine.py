@@ -353,8 +353,7 @@ class LLMEngine:
             outputs += self._finish_step(out, launched, final_only)
         return outputs
 
-    def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep, final_only: bool = False
-                     ) -> list[RequestOutput]:
+    def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep, final_only: bool) -> list[RequestOutput]:
         sampled = self.runner.collect(launched)
         for rid, (first, rows) in self.runner.collect_prompt_logprobs(launched).items():
             group = self._seq_group.get(rid)

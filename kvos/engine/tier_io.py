@@ -160,23 +160,28 @@ class TierIO:
         with torch.cuda.stream(self.stream):  # a no-op without a stream (CPU)
             try:
                 rows = torch.empty(len(hashes), bb, dtype=torch.uint8, device=self.device)
+
+                def issue(key: BlockHash, got) -> bool:
+                    """Queue the copy of a found block; False at a miss or a wrong size."""
+                    if got is None or len(got[0]) != bb:
+                        return False
+                    # a CPU-tier payload aliases a pinned slot: asynchronous DMA, no staging
+                    rows[len(found)].copy_(_as_tensor(got[0]), non_blocking=True)
+                    found.append((key, *got))
+                    return True
+
                 stopped = False
                 if getattr(first, "digests", False):  # nothing to hash: each leading hit's copy is issued
                     for key in hashes:                # as soon as it is found, overlapping the next finds
                         got = first.get_for_load(key) if first.contains(key) else None
-                        if got is None or len(got[0]) != bb:
+                        if not issue(key, None if got is None else (got[0], 0, got[1])):
                             stopped = got is not None
                             break
-                        # a CPU-tier payload aliases a pinned slot: asynchronous DMA, no staging
-                        rows[len(found)].copy_(_as_tensor(got[0]), non_blocking=True)
-                        found.append((key, got[0], 0, got[1]))
                 if not stopped:
                     finds = [self.verifiers.submit(self.h.find, key) for key in hashes[len(found):]]
-                for key, got in zip(hashes[len(found):], (f.result() for f in finds)):
-                    if got is None or len(got[0]) != bb:
+                for key, fut in zip(hashes[len(found):], finds):
+                    if not issue(key, fut.result()):
                         break
-                    rows[len(found)].copy_(_as_tensor(got[0]), non_blocking=True)
-                    found.append((key, *got))
                 if self.digests and found:  # queued behind the copies, on the same stream
                     digests = block_digests(rows[: len(found)]).cpu().tolist()
             finally:  # no slot may be rewritten while a find or a copy still reads it

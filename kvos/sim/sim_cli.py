@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvos.cache.eviction import POLICIES
 from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS
+from kvos.sim.tier import SimTierConfig
 
 EXAMPLES = """examples:
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks unlimited --json
@@ -88,7 +89,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--tier-write-policy", default="write_through", choices=["write_through", "write_back"])
     t.add_argument("--tier-lookahead", type=int, default=1024,
                    help="waiting requests whose tier blocks are evicted last (the engine's --tier-lookahead; 0: off)")
-    t.add_argument("--tier-bandwidth-gbs", type=float, default=37.0,
+    t.add_argument("--tier-bandwidth-gbs", type=float, default=SimTierConfig.load_bandwidth / 1e9,
                    help="tier-to-device load rate in GB/s (kvos's measured CPU-tier loads on an H100 host)")
     f = p.add_argument_group("a fleet of engines behind a router")
     f.add_argument("--engines", type=int, default=1, help="simulated engines (1: a single engine, no router)")
@@ -183,7 +184,6 @@ def build(a: argparse.Namespace):
     if a.tier_gb is not None:
         tier_blocks = int(a.tier_gb * (1 << 30) // (cost.kv_bytes_per_token * a.block_size))
     if tier_blocks:
-        from kvos.sim.tier import SimTierConfig
 
         tier = SimTierConfig(tier_blocks, a.tier_policy, a.tier_write_policy, a.tier_bandwidth_gbs * 1e9,
                              a.tier_lookahead)
