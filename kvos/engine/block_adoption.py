@@ -27,8 +27,8 @@ class BlockAdopter:
         self.blocks = 0
         self.bytes = 0
         self.copy_s = 0.0
-        """Device time of the copies done (CUDA; from the copy's start, after the sender's
-        gather it waits for): ``bytes / copy_s`` is the rate over the link."""
+        """Device time of the peer copies done (CUDA events around the copy alone, not the
+        local scatter after it): ``bytes / copy_s`` is the rate over the link."""
 
     def adopt(self, hashes: list[BlockHash], parent: BlockHash | None, rows: torch.Tensor, depth: int = 0) -> int:
         """Cache ``rows[i]`` under ``hashes[i]`` (a chain whose first parent is ``parent``, the
@@ -48,10 +48,9 @@ class BlockAdopter:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             span = torch.empty_like(span).copy_(span)
+            end.record()
         local = [i - todo[0] for i in todo]
         self.runner.write_blocks([b.block_id for b in blocks], span if len(local) == len(span) else span[local])
-        if end is not None:
-            end.record()
         self._reading.append((start, end, rows))
         self.blocks += len(blocks)
         self.bytes += len(blocks) * rows.shape[1]

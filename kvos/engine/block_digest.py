@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvos.model.transfer import to_device
+
 _MULTIPLIERS: dict[tuple[int, str], torch.Tensor] = {}
 CHUNK_BYTES = 64 << 20
 """Rows digested per launch: the product's temporary is at most this large."""
@@ -46,7 +48,7 @@ def page_digests(pages: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """``block_digests`` of rows ``block_ids`` of ``pages`` (``uint8 [num_blocks, block_bytes]``),
     gathered ``CHUNK_BYTES`` at a time. Queued on the current stream."""
     n, bb = len(block_ids), pages.shape[1]
-    idx = torch.tensor(block_ids, dtype=torch.long).to(pages.device, non_blocking=True)
+    idx = to_device(block_ids, torch.long, pages.device)
     out = torch.empty(n, dtype=torch.int64, device=pages.device)
     step = max(1, CHUNK_BYTES // bb)
     for i in range(0, n, step):

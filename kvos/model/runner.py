@@ -207,7 +207,7 @@ class ModelRunner:
         what their owner says: call before the blocks are handed to someone else."""
         pages = self.block_pages()
         n, bb = len(block_ids), pages.shape[1]
-        idx = torch.tensor(block_ids, dtype=torch.long, device=pages.device)
+        idx = to_device(block_ids, torch.long, pages.device)
         if digests_out is not None:
             digests_out.extend(page_digests(pages, block_ids).tolist())
         if pages.device.type == "cpu":
@@ -223,7 +223,7 @@ class ModelRunner:
         gathered on the current stream (so after every step queued before). Only valid while
         the blocks' content is what their owner says."""
         pages = self.block_pages()
-        return pages.index_select(0, torch.tensor(block_ids, dtype=torch.long, device=pages.device))
+        return pages.index_select(0, to_device(block_ids, torch.long, pages.device))
 
     def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """Fill ``block_ids`` from ``rows`` (``uint8 [n, block_bytes]`` as ``read_blocks``
@@ -236,7 +236,7 @@ class ModelRunner:
         if rows.shape[1:] != pages.shape[1:]:
             raise ValueError(f"block rows of {rows.shape[1]} bytes do not fit pages of {pages.shape[1]}")
         src = rows.to(pages.device, non_blocking=True)
-        pages.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=pages.device), src)
+        pages.index_copy_(0, to_device(block_ids, torch.long, pages.device), src)
 
     def _generator(self, t: SampleTarget) -> torch.Generator | None:
         seed = t.params.seed
