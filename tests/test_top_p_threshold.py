@@ -2,8 +2,8 @@
 
 Kept sets ``probs >= tau`` against the float64 rule (a token is kept iff the probabilities
 strictly above it sum to less than p) on peaked, near-flat and tied rows, except tokens whose
-float64 mass above is within 1e-5 of p (float32 summation order decides those). Then the
-sampler with the kernel on: chi-square against the filtered softmax, and a mixed batch (top-k,
+float64 mass above is within 1e-5 of p (float32 summation order decides those). The same search on logits at a temperature (the
+sampler's mode), then the sampler with the kernels on: chi-square against the filtered softmax, and a mixed batch (top-k,
 top-p only, greedy) whose seeded rows draw what they draw alone, without any sort. Without a GPU
 the kernel runs in Triton's interpreter on small CPU tensors (milliseconds a row).
 """
@@ -25,7 +25,7 @@ from tests.test_sampler_distribution import check_frequencies  # noqa: E402
 top_p_threshold = _top_p.top_p_threshold
 top_p_threshold_reference = _top_p.top_p_threshold_reference
 
-skip_unless_interpreted(_top_p._top_p_threshold_kernel)
+skip_unless_interpreted(_top_p._threshold_kernel, _top_p._race_kernel)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 PS = [0.1, 0.5, 0.9, 0.95, 0.999]
@@ -66,14 +66,46 @@ def rows(V: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return probs.to(DEVICE), p.to(DEVICE)
 
 
+# the search's paths: the default (passes over the row, then the interval's values in registers),
+# straight to registers, and values that never fit the slots (every pass over the row)
+SEARCHES = [{}, {"full_passes": 0, "cap": 4096}, {"full_passes": 1, "cap": 8}]
+
+
+@pytest.mark.parametrize("search", SEARCHES)
 @pytest.mark.parametrize("V, block", [(1000, 256), (77, 128), (513, 512), (3000, 1024)])
-def test_kernel_kept_set_matches_the_float64_rule(V, block):
+def test_kernel_kept_set_matches_the_float64_rule(V, block, search):
     for seed in range(2):
         probs, p = rows(V, seed)
-        tau = top_p_threshold(probs, p, block=block)
+        tau = top_p_threshold(probs, p, block=block, **search)
         check_kept_sets(probs, p, tau)
         check_kept_sets(probs, p, top_p_threshold_reference(probs, p), exact=True)
         check_kept_sets(probs, p, sorted_top_p_threshold(probs, p))  # the sampler's CPU path
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("V, block", [(1000, 256), (77, 128), (3000, 1024)])
+def test_logit_threshold_kept_set_matches_the_float64_rule(V, block, search):
+    """The sampler's mode: the threshold searched on logits at a temperature (``u = exp(x / T -
+    m)``, bf16 and float32 logits), its kept set ``u >= cut`` against the float64 rule on the
+    softmax, except tokens whose u is within float32 rounding of the cut (torch's exp here,
+    the kernel's there) or whose mass above is within 1e-5 of p."""
+    g = torch.Generator().manual_seed(V)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.stack([torch.randn(V, generator=g) * s for s in (8.0, 2.0, 2.0, 0.05, 1.0, 4.0, 1.0, 3.0)])
+        x = x.to(dtype)
+        temp = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0, 1.0, 0.9])
+        p = torch.tensor(PS + [1.0, 0.3, 0.6])
+        cut, m = _top_p.logit_threshold(x.to(DEVICE), (1 / temp).to(DEVICE), p.to(DEVICE), block=block, **search)
+        cut, m = cut.cpu(), m.cpu()
+        scaled = x.float() * (1 / temp)[:, None]
+        assert torch.equal(m, scaled.max(dim=-1).values)
+        u = torch.exp(scaled - m[:, None])
+        kept = u >= cut[:, None]
+        above = mass_above(torch.softmax(scaled.double(), dim=-1))
+        want = above < p.double()[:, None]
+        unsure = ((above - p.double()[:, None]).abs() <= NEAR) | ((u - cut[:, None]).abs() <= 1e-6 * cut[:, None])
+        assert not ((kept != want) & ~unsure).any()
+        assert (cut[p >= 1] == 0).all() and (cut <= 1).all()
 
 
 def test_kernel_ties_and_exact_boundaries():
@@ -84,27 +116,32 @@ def test_kernel_ties_and_exact_boundaries():
                           [0.5, 0.25, 0.125, 0.0625, 0.0625],
                           [0.5, 0.25, 0.125, 0.0625, 0.0625]], device=DEVICE)
     p = torch.tensor([0.1, 0.75, 0.7501, 0.875], device=DEVICE)
-    tau = top_p_threshold(probs, p, block=4)  # V not a multiple of the block
-    assert tau.tolist() == [0.25, 0.25, 0.125, 0.125]
+    for search in SEARCHES:
+        tau = top_p_threshold(probs, p, block=4, **search)  # V not a multiple of the block
+        assert tau.tolist() == [0.25, 0.25, 0.125, 0.125], search
     assert top_p_threshold_reference(probs, p).tolist() == tau.tolist()
     assert sorted_top_p_threshold(probs, p).tolist() == tau.tolist()
 
 
 @pytest.fixture
 def kernel_on(monkeypatch):
-    """The sampler's full-vocabulary path on the Triton kernel, even on CPU tensors. Under the
-    interpreter the kernel runs once per distinct (row, p): a batch of identical rows costs one."""
+    """The sampler's full-vocabulary path on the Triton kernels, even on CPU tensors. Under the
+    interpreter the threshold kernel runs once per distinct (row, temperature, p): a batch of
+    identical rows costs one search (the race still runs every row)."""
     monkeypatch.setattr(_sampler, "TOP_P_KERNEL_ON_CPU", True)
     calls = []
+    threshold = _top_p.logit_threshold
 
-    def deduplicated(probs, top_p):
-        calls.append(probs.shape[0])
+    def deduplicated(x, inv_t, top_p, **kw):
+        calls.append(x.shape[0])
         if CUDA:
-            return top_p_threshold(probs, top_p)
-        uniq, inverse = torch.cat([probs, top_p[:, None]], dim=1).unique(dim=0, return_inverse=True)
-        return top_p_threshold(uniq[:, :-1].contiguous(), uniq[:, -1].contiguous())[inverse]
+            return threshold(x, inv_t, top_p, **kw)
+        key = torch.cat([x.float(), inv_t[:, None], top_p[:, None]], dim=1)
+        uniq, inverse = key.unique(dim=0, return_inverse=True)
+        cut, m = threshold(uniq[:, :-2].contiguous(), uniq[:, -2].contiguous(), uniq[:, -1].contiguous(), **kw)
+        return cut[inverse], m[inverse]
 
-    monkeypatch.setattr(_top_p, "top_p_threshold", deduplicated)
+    monkeypatch.setattr(_top_p, "logit_threshold", deduplicated)
     return calls
 
 
@@ -114,7 +151,8 @@ def kernel_on(monkeypatch):
     (300, SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0, top_k=5)),  # mixed
 ])
 def test_kernel_path_frequencies_match_the_filtered_softmax(vocab, params, neighbour, kernel_on):
-    check_frequencies(vocab, params, DEVICE, neighbour)
+    # the race runs every draw in the interpreter (about a microsecond a token): fewer draws there
+    check_frequencies(vocab, params, DEVICE, neighbour, n=60_000 if CUDA else 6_000)
     assert kernel_on  # the kernel did the filtering
 
 

@@ -23,6 +23,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="checksum threads of a load (default: the engine's, min(8, cores / 2))")
     p.add_argument("--verify", choices=["auto", "host", "device"], default="auto",
                    help="where loads are checked (the engine's tier_verify; auto: device on a GPU)")
+    p.add_argument("--phases", action="store_true",
+                   help="on a GPU, also profile one more load and report where its time goes on the device")
     p.add_argument("--output", default="benchmarks/results/tier-bandwidth.json")
 
 
@@ -75,15 +77,24 @@ def run(a: argparse.Namespace) -> dict:
             stores.append(time.perf_counter() - t0)
         kv[1:].zero_()
         # load path, as a LOADING request runs it: fetch on the I/O thread, install on this one
+        def load() -> None:
+            loaded = io.submit(tier_io.fetch, keys).result()
+            tier_io.install(loaded, ids)
+            sync()
+            assert loaded.sources == ["cpu"] * a.blocks
+
         times = []
         for _ in range(a.repeats + 1):
             sync()
             t0 = time.perf_counter()
-            loaded = io.submit(tier_io.fetch, keys).result()
-            tier_io.install(loaded, ids)
-            sync()
+            load()
             times.append(time.perf_counter() - t0)
-            assert loaded.sources == ["cpu"] * a.blocks
+        phases = None
+        if a.phases and cuda:
+            from kvos.bench.device_timeline import device_timeline
+
+            sync()
+            phases = device_timeline(load)
     tier_io.close()
     load_s = sum(times[1:]) / a.repeats
     warm_store_s = sum(stores[1:]) / a.repeats
@@ -126,6 +137,8 @@ def run(a: argparse.Namespace) -> dict:
         sync()
         result["pinned_d2h_GBps"] = 5 * total / (time.perf_counter() - t0) / 1e9
         result["store_warm_fraction_of_pinned_d2h"] = result["store_warm_GBps"] / result["pinned_d2h_GBps"]
+    if phases is not None:
+        result["load_phases_profiled"] = phases
     result["summary"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
                          if isinstance(v, (float, bool)) or k == "verify_threads"}
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)

@@ -236,18 +236,19 @@ class Sampler:
         dev = logits.device
         if [r.row for r in rows] != list(range(logits.shape[0])):
             logits = logits[to_device([r.row for r in rows], torch.long, dev)]
-        logits = logits.float()
         if any(_adjusts(r) for r in rows):
-            logits = adjust_logits(logits, rows, prev_tokens)
-        tokens = logits.argmax(dim=-1)
-        greedy = [r.params.greedy for r in rows]
-        if not all(greedy):
-            sampled = self._sample(logits, rows)
-            tokens = torch.where(to_device(greedy, torch.bool, dev), tokens, sampled)
+            logits = adjust_logits(logits.float(), rows, prev_tokens)
+        greedy = [r.params.greedy for r in rows]  # argmax is the same in the logits' own dtype
+        if not any(greedy):
+            tokens = self._sample(logits, rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if not all(greedy):
+                tokens = torch.where(to_device(greedy, torch.bool, dev), tokens, self._sample(logits, rows))
         out = PendingSamples(rows, tokens, self._to_host(tokens))
         want = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         if want:
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
             out.host_logprob = self._to_host(logprobs.gather(1, tokens[:, None])[:, 0])
             k = max(want)
             if k > 0:
@@ -297,28 +298,32 @@ class Sampler:
         each path on its own rows.
 
         A seeded row's draws depend only on its own generator and parameters, whatever the batch:
-        with ``top_k`` it draws ``top_k`` values in rank order, without it one value per token
-        in token order."""
+        with ``top_k`` it draws ``top_k`` values in rank order; without it, one value per token
+        in token order (the CPU) or one noise seed per step (the race kernel on a GPU)."""
         dev = logits.device
         R, V = logits.shape
-        temp = to_device([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
-                         torch.float32, dev)
-        x = logits / temp[:, None]
+        temps = [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows]
         # a greedy row takes its argmax anyway (one candidate), whatever its filters
         top_k = [1 if r.params.greedy else r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
         ranked = [i for i, k in enumerate(top_k) if k]
         if not ranked:
-            return cls._sample_full(x, rows)
+            return cls._sample_full(logits, rows, temps)
         if len(ranked) == R:
-            return cls._sample_ranked(x, rows, top_k)
+            return cls._sample_ranked(cls._scaled(logits, temps), rows, top_k)
         full = [i for i, k in enumerate(top_k) if not k]
         idx = to_device(ranked + full, torch.long, dev)
         idx_r, idx_f = idx[: len(ranked)], idx[len(ranked):]
         out = torch.empty(R, dtype=torch.long, device=dev)
-        out.index_copy_(0, idx_r, cls._sample_ranked(x.index_select(0, idx_r), [rows[i] for i in ranked],
-                                                     [top_k[i] for i in ranked]))
-        out.index_copy_(0, idx_f, cls._sample_full(x.index_select(0, idx_f), [rows[i] for i in full]))
+        out.index_copy_(0, idx_r, cls._sample_ranked(cls._scaled(logits.index_select(0, idx_r), [temps[i] for i in ranked]),
+                                                     [rows[i] for i in ranked], [top_k[i] for i in ranked]))
+        out.index_copy_(0, idx_f, cls._sample_full(logits.index_select(0, idx_f), [rows[i] for i in full],
+                                                   [temps[i] for i in full]))
         return out
+
+    @staticmethod
+    def _scaled(logits: torch.Tensor, temps: list[float]) -> torch.Tensor:
+        """float32 logits over their rows' temperatures."""
+        return logits.float() / to_device(temps, torch.float32, logits.device)[:, None]
 
     @classmethod
     def _sample_ranked(cls, x: torch.Tensor, rows: list[SampleRow], top_k: list[int]) -> torch.Tensor:
@@ -344,23 +349,34 @@ class Sampler:
         return order.gather(1, choice[:, None])[:, 0]
 
     @classmethod
-    def _sample_full(cls, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Rows without a ``top_k`` (``x``: their logits over temperature), over the whole
-        vocabulary in token order: top-p zeroes the probabilities below the row's threshold
-        (``top_p_threshold``: a Triton kernel on a GPU, no sort; on the CPU the same rule through
-        a sort), then min-p. The race needs no renormalisation."""
-        probs = x.softmax(dim=-1)
+    def _sample_full(cls, logits: torch.Tensor, rows: list[SampleRow], temps: list[float]) -> torch.Tensor:
+        """Rows without a ``top_k``, over the whole vocabulary in token order. On a GPU, the race
+        kernels (``kvos.kernels.top_p.top_p_sample``): the top-p threshold searched on the
+        logits, min-p, and the race with noise drawn in the kernel from one seed per row, in two
+        launches with no vocabulary-sized temporaries. Elsewhere: the softmax, top-p's
+        threshold through a sort, min-p, then the race. Neither needs a renormalisation."""
+        dev = logits.device
         top_p = [r.params.top_p for r in rows]
+        if use_kernels(logits) or TOP_P_KERNEL_ON_CPU:
+            from kvos.kernels.top_p import top_p_sample
+            return top_p_sample(logits, to_device(temps, torch.float32, dev), to_device(top_p, torch.float32, dev),
+                                to_device([r.params.min_p for r in rows], torch.float32, dev), cls._seeds(rows, dev))
+        probs = cls._scaled(logits, temps).softmax(dim=-1)
         if any(p < 1 for p in top_p):
-            p = to_device(top_p, torch.float32, x.device)
-            if use_kernels(probs) or TOP_P_KERNEL_ON_CPU:
-                from kvos.kernels.top_p import top_p_threshold
-                tau = top_p_threshold(probs, p)
-            else:
-                tau = sorted_top_p_threshold(probs, p)
+            tau = sorted_top_p_threshold(probs, to_device(top_p, torch.float32, dev))
             probs = probs.masked_fill(probs < tau[:, None], 0.0)
         probs = cls._min_p(probs, [r.params.min_p for r in rows], ranked=False)
-        return (probs / cls._noise(rows, [0] * len(rows), x.shape[1], x.device)).argmax(dim=-1)
+        return (probs / cls._noise(rows, [0] * len(rows), logits.shape[1], dev)).argmax(dim=-1)
+
+    @staticmethod
+    def _seeds(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+        """One int64 noise seed per row for the race kernel: unseeded rows' from one draw of the
+        device's default generator, a seeded row's from its own generator (one per step)."""
+        seeds = torch.randint(0, 1 << 62, (len(rows),), device=device)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                seeds[i: i + 1] = torch.randint(0, 1 << 62, (1,), device=device, generator=r.generator)
+        return seeds
 
     @staticmethod
     def _min_p(probs: torch.Tensor, min_p: list[float], ranked: bool) -> torch.Tensor:
