@@ -1,24 +1,32 @@
-"""Top-p (nucleus) filtering without a sort: an exact per-row probability threshold.
+"""Top-p (nucleus) sampling without a sort: an exact per-row threshold, then a one-pass race.
 
 A row's top-p kept set is every token whose strictly more probable tokens weigh less than p
 (the most probable token is always kept; tied tokens are kept or dropped together). With
 ``S(v)`` = the sum of the row's probabilities strictly greater than v, S is non-increasing and
 only steps down at the row's probabilities, so the kept set is exactly ``probs >= tau`` where
 ``tau`` = the smallest float ``v >= 0`` with ``S(v) < p``: one of the row's probabilities (or 0
-when even ``S(0) < p``: everything is kept).
+when even ``S(0) < p``: everything is kept). The rule holds for any positive scaling of the
+row, so the sampler searches ``u = exp(x / T - m)`` (``m`` the row's maximum of ``x / T``: u is
+the probability times the softmax's normaliser, 1 at the maximum) against p times the sum of
+u, straight from the logits: no softmax tensor.
 
-The kernel finds tau by searching the int32 bit patterns of the non-negative floats, which are
-ordered like the floats themselves, between 0 and the row's maximum (``S(max) = 0 < p``). Each
-pass over the row evaluates S at ``CANDIDATES`` bit patterns spread over the interval at once
-and keeps the sub-interval where ``S < p`` starts, so a pass shrinks the interval
-``CANDIDATES``-fold: probabilities are at most 1.0 (bit pattern < 2**30), so 10 passes after the
-max pass reach a single pattern (8 with 16 candidates). S is summed in float32 in one fixed order
-for every candidate of every pass, and a float sum of non-negative terms can only shrink when
-terms are zeroed, so the computed S is non-increasing too and the search is consistent; tau
-differs from the float64 rule only for tokens whose mass above lies within float32 summation
-error of p. (``p <= 0``, which ``SamplingParams`` refuses, would keep the maximum alone.)
+The threshold kernel finds tau by searching the int32 bit patterns of the non-negative floats,
+which are ordered like the floats themselves, between a lower bound and 1.0 (``S(1) = 0``).
+Each pass evaluates S at ``CANDIDATES`` bit patterns spread over the interval at once and keeps
+the sub-interval where ``S < target`` starts, so a pass shrinks the interval
+``CANDIDATES``-fold. After ``FULL_PASSES`` passes over the row, the values still inside the
+interval (at most ``CAP``) are copied aside and the search ends on them in registers; S there is
+the mass above the interval plus theirs. Within each phase S is summed in float32 in one fixed
+order for every candidate, and a float sum of non-negative terms can only shrink when terms
+are zeroed, so the computed S is non-increasing and the search is consistent; tau differs from
+the float64 rule only for tokens whose mass above lies within float32 summation error of p.
+(``p <= 0``, which ``SamplingParams`` refuses, would keep the maximum alone.)
 
-No host synchronisation; the row length and stride are ``do_not_specialize``, so one compiled
+The race kernel then draws one token per row from the kept set (and min-p's) in one pass: the
+exponential race ``argmax(u / E)`` with ``E ~ Exp(1)`` drawn in the kernel from Philox, keyed
+by the row's seed and the token id.
+
+No host synchronisation; row lengths and strides are ``do_not_specialize``, so one compiled
 variant serves every batch. Import only where triton is installed.
 """
 from __future__ import annotations
@@ -254,13 +262,14 @@ def logit_threshold(x: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor, *
 
 def top_p_sample(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                  seeds: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
-    """One token per row of logits ``x`` ([R, V], unit last stride; bf16 or float32), drawn from
+    """One token per row of logits ``x`` ([R, V]; bf16 or float32), drawn from
     its softmax at ``temperature`` after top-p and min-p (float32 [R] each; 1.0 / 0.0 turn them
     off), with the noise of int64 ``seeds`` [R]: two launches (threshold, race), no
     vocabulary-sized temporaries, no host sync. The kept set is the threshold's (``probs >=
     tau``, see the module docstring) intersected with min-p's ``probs >= min_p * max``."""
     R, V = x.shape
     block = block or _BLOCK
+    x = x if x.stride(1) == 1 else x.contiguous()
     inv_t = (1.0 / temperature.float()).contiguous()
     cut, m = logit_threshold(x, inv_t, top_p.float(), block=block)
     cut = torch.maximum(cut, min_p.float())  # u = probs / max: min-p's cut is min_p itself
