@@ -24,7 +24,7 @@ test: install  # the CPU suite: on the CPU even where a GPU is visible (--device
 	CUDA_VISIBLE_DEVICES= $(BIN)/pytest -q --durations=20
 
 test-gpu:  # on a CUDA machine whose python3 has torch, triton and transformers (no install step)
-	python3 -m pytest -q tests/test_kernels.py tests/test_kv_quant_kernels.py tests/test_elementwise_kernels.py tests/test_gpu.py tests/test_sampler_distribution.py \
+	python3 -m pytest -q tests/test_kernels.py tests/test_kv_quant_kernels.py tests/test_elementwise_kernels.py tests/test_gpu.py tests/test_sampler_distribution.py tests/test_top_p_kernel.py \
 		tests/test_gemma3_model.py
 
 bench: install

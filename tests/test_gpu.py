@@ -275,26 +275,26 @@ def test_quantized_kv_triton_path_matches_torch_path(kv_cache_dtype, eager):
     assert same >= 0.5 * 24 * len(tri_tokens)
 
 
-def test_top_p_threshold_kernel_matches_the_float64_rule_at_full_size():
-    """The sort-free top-p threshold (kvos.kernels.top_p) on a decode-sized batch: 256 rows of a
-    128256-token vocabulary, peaked to near-flat, p from 0.1 to 0.999 and 1.0. Its kept set
-    ``probs >= tau`` is the float64 rule's (mass strictly above < p) except tokens whose mass
-    above is within 1e-5 of p (float32 summation order), and tau equals the float64 sort-based
-    reference's wherever no token of the row is that close."""
-    from kvos.kernels.top_p import top_p_threshold, top_p_threshold_reference
-    from tests.test_top_p_threshold import check_kept_sets, mass_above
+def test_top_p_kernel_draws_from_the_kept_set_at_full_size():
+    """The full-vocabulary sampling kernel (kvos.kernels.top_p) on a decode-sized batch: 256 rows
+    of a 128256-token vocabulary, peaked to near-flat, p from 0.1 to 0.999 and 1.0, some with
+    min-p. Over 8 steps' draws every token lies in the float64 kept set, except tokens within
+    1e-5 of a boundary (float32 summation order)."""
+    from kvos.kernels.top_p import nucleus_sample
+    from tests.test_top_p_kernel import kept_sets
 
     R, V = 256, 128256
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = torch.logspace(-2, 1.3, R, device="cuda")[torch.randperm(R, device="cuda", generator=g)]
-    probs = (torch.randn(R, V, device="cuda", generator=g) * scale[:, None]).softmax(dim=-1)
+    x = (torch.randn(R, V, device="cuda", generator=g) * scale[:, None]).bfloat16()
+    temp = torch.tensor([1.0, 0.8, 0.5, 1.3], device="cuda").repeat(R // 4)
     p = torch.tensor([0.1, 0.5, 0.9, 0.95, 0.999, 1.0, 0.3, 0.7], device="cuda").repeat(R // 8)
-    tau = top_p_threshold(probs, p)
-    check_kept_sets(probs, p, tau)
-    ref = top_p_threshold_reference(probs, p)
-    near = ((mass_above(probs) - p.double()[:, None]).abs() <= 1e-5).any(dim=-1)
-    assert (tau == ref)[~near].all()
-    assert (~near).sum() >= R // 8  # (59 rows: most flat rows have a token that close)
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0], device="cuda").repeat(R // 7 + 1)[:R]
+    kept, unsure = kept_sets(x, temp, p, min_p)
+    for step in range(8):
+        got = nucleus_sample(x, temp, p, min_p, torch.randint(0, 1 << 62, (R,), device="cuda", generator=g))
+        inside = kept.gather(1, got[:, None]) | unsure.gather(1, got[:, None])
+        assert inside.all(), (step, torch.nonzero(~inside.flatten()).flatten().tolist()[:8])
 
 
 def test_disaggregated_prefill_moves_blocks_by_cuda_ipc(folder):

@@ -207,8 +207,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
 
 
 def sorted_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row of ``probs`` (float32 ``[R, V]``), the top-p threshold tau of
-    ``kvos.kernels.top_p`` through a sort: the kept set ``probs >= tau`` is every token whose
+    """Per row of ``probs`` (float32 ``[R, V]``), the top-p threshold tau through a sort (the CPU's
+    path; ``kvos.kernels.top_p`` keeps the same set on a GPU): the kept set ``probs >= tau`` is every token whose
     strictly more probable tokens weigh less than ``top_p`` (float32 sums; ties kept together;
     the most probable token always). 0.0 where ``top_p >= 1``."""
     vals = probs.sort(dim=-1, descending=True).values
@@ -291,15 +291,16 @@ class Sampler:
 
     @classmethod
     def _sample(cls, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Exponential-race sampling (``argmax(probs / Exp(1))`` draws from ``probs``) after
-        temperature, top-k, top-p (over the top-k survivors) and min-p. Rows with a ``top_k``
+        """Temperature, top-k, top-p (over the top-k survivors) and min-p, then a draw from what
+        is kept (the exponential race ``argmax(probs / Exp(1))``, or the kernel's rejection
+        sampling on a GPU). Rows with a ``top_k``
         (greedy rows: 1) filter ranked candidates (``_sample_ranked``); the others filter the
         whole vocabulary in token order (``_sample_full``: no sort on a GPU). A mixed batch runs
         each path on its own rows.
 
         A seeded row's draws depend only on its own generator and parameters, whatever the batch:
         with ``top_k`` it draws ``top_k`` values in rank order; without it, one value per token
-        in token order (the CPU) or one noise seed per step (the race kernel on a GPU)."""
+        in token order (the CPU) or one seed per step (the kernel on a GPU)."""
         dev = logits.device
         R, V = logits.shape
         temps = [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows]
@@ -309,12 +310,12 @@ class Sampler:
         if not ranked:
             return cls._sample_full(logits, rows, temps)
         if len(ranked) == R:
-            return cls._sample_ranked(cls._scaled(logits, temps), rows, top_k)
+            return cls._sample_ranked(logits, temps, rows, top_k)
         full = [i for i, k in enumerate(top_k) if not k]
         idx = to_device(ranked + full, torch.long, dev)
         idx_r, idx_f = idx[: len(ranked)], idx[len(ranked):]
         out = torch.empty(R, dtype=torch.long, device=dev)
-        out.index_copy_(0, idx_r, cls._sample_ranked(cls._scaled(logits.index_select(0, idx_r), [temps[i] for i in ranked]),
+        out.index_copy_(0, idx_r, cls._sample_ranked(logits.index_select(0, idx_r), [temps[i] for i in ranked],
                                                      [rows[i] for i in ranked], [top_k[i] for i in ranked]))
         out.index_copy_(0, idx_f, cls._sample_full(logits.index_select(0, idx_f), [rows[i] for i in full],
                                                    [temps[i] for i in full]))
@@ -326,15 +327,18 @@ class Sampler:
         return logits.float() / to_device(temps, torch.float32, logits.device)[:, None]
 
     @classmethod
-    def _sample_ranked(cls, x: torch.Tensor, rows: list[SampleRow], top_k: list[int]) -> torch.Tensor:
-        """Rows that all have a ``top_k`` (``x``: their logits over temperature). Candidates in
-        rank order: one ``topk`` when every ``top_k`` is at most ``CANDIDATES``, else a full sort;
-        then top-k, top-p over the top-k survivors and min-p on them."""
-        dev = x.device
+    def _sample_ranked(cls, logits: torch.Tensor, temps: list[float], rows: list[SampleRow],
+                       top_k: list[int]) -> torch.Tensor:
+        """Rows that all have a ``top_k``. Candidates in rank order, ranked on the logits as they
+        are (a positive temperature does not change the order), then only they are scaled: one
+        ``topk`` when every ``top_k`` is at most ``CANDIDATES``, else a full sort; then top-k,
+        top-p over the top-k survivors and min-p on them."""
+        dev = logits.device
         if all(k <= cls.CANDIDATES for k in top_k):
-            vals, order = x.topk(max(top_k), dim=-1)  # sorted, descending
+            vals, order = logits.topk(max(top_k), dim=-1)  # sorted, descending
         else:
-            vals, order = x.sort(dim=-1, descending=True)
+            vals, order = logits.sort(dim=-1, descending=True)
+        vals = cls._scaled(vals, temps)
         K = vals.shape[1]
         ranks = torch.arange(K, device=dev)[None, :]
         vals = vals.masked_fill(ranks >= to_device(top_k, torch.long, dev)[:, None], float("-inf"))
@@ -350,28 +354,28 @@ class Sampler:
 
     @classmethod
     def _sample_full(cls, logits: torch.Tensor, rows: list[SampleRow], temps: list[float]) -> torch.Tensor:
-        """Rows without a ``top_k``, over the whole vocabulary in token order. On a GPU, the race
-        kernels (``kvos.kernels.top_p.top_p_sample``): the top-p threshold searched on the
-        logits, min-p, and the race with noise drawn in the kernel from one seed per row, in two
-        launches with no vocabulary-sized temporaries. Elsewhere: the softmax, top-p's
+        """Rows without a ``top_k``, over the whole vocabulary in token order. On a GPU, one
+        kernel (``kvos.kernels.top_p.nucleus_sample``): rejection sampling of top-p and min-p's
+        kept set straight from the logits, one seed per row. Elsewhere: the softmax, top-p's
         threshold through a sort, min-p, then the race. Neither needs a renormalisation."""
         dev = logits.device
         top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
         if use_kernels(logits) or TOP_P_KERNEL_ON_CPU:
-            from kvos.kernels.top_p import top_p_sample
-            return top_p_sample(logits, to_device(temps, torch.float32, dev), to_device(top_p, torch.float32, dev),
-                                to_device([r.params.min_p for r in rows], torch.float32, dev), cls._seeds(rows, dev))
+            from kvos.kernels.top_p import nucleus_sample
+            t, p, mp = to_device([temps, top_p, min_p], torch.float32, dev)
+            return nucleus_sample(logits, t, p, mp, cls._seeds(rows, dev))
         probs = cls._scaled(logits, temps).softmax(dim=-1)
         if any(p < 1 for p in top_p):
             tau = sorted_top_p_threshold(probs, to_device(top_p, torch.float32, dev))
             probs = probs.masked_fill(probs < tau[:, None], 0.0)
-        probs = cls._min_p(probs, [r.params.min_p for r in rows], ranked=False)
+        probs = cls._min_p(probs, min_p, ranked=False)
         return (probs / cls._noise(rows, [0] * len(rows), logits.shape[1], dev)).argmax(dim=-1)
 
     @staticmethod
     def _seeds(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
-        """One int64 noise seed per row for the race kernel: unseeded rows' from one draw of the
-        device's default generator, a seeded row's from its own generator (one per step)."""
+        """One int64 seed per row for the kernel: unseeded rows' from one draw of the device's
+        default generator, a seeded row's from its own generator (one per step)."""
         seeds = torch.randint(0, 1 << 62, (len(rows),), device=device)
         for i, r in enumerate(rows):
             if r.generator is not None:
