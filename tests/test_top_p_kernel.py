@@ -1,5 +1,5 @@
-"""The full-vocabulary sampling kernel (kvos.kernels.top_p.nucleus_sample) and the sampler's path
-through it.
+"""The sampling kernels (kvos.kernels.top_p): the full vocabulary's (``nucleus_sample``), the
+top-k candidates' (``ranked_sample``), and the sampler's paths through them.
 
 Every drawn token lies in the float64 kept set (top-p: the probabilities strictly above it sum to
 less than p; min-p: at least min_p times the top probability) on peaked, near-flat and tied rows,
@@ -7,8 +7,8 @@ bf16 and float32 logits, at several temperatures, except tokens whose float64 ma
 within 1e-5 of p (float32 summation order decides those); small kept sets are covered by the
 draws; masses that sum exactly put the boundary where the rule says. Then the sampler with the
 kernel on: chi-square against the filtered softmax (rows that need many rejection rounds among
-them), and a mixed batch whose seeded rows draw what they draw alone, without any sort. Without a
-GPU the kernel runs in Triton's interpreter on small CPU tensors.
+them, and top-k rows), and a mixed batch whose seeded rows draw what they draw alone, without
+any sort. Without a GPU the kernels run in Triton's interpreter on small CPU tensors.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from kvos.model import sampler as _sampler  # noqa: E402
 from kvos.model.sampler import Sampler, SampleRow, sorted_top_p_threshold  # noqa: E402
 from tests.test_sampler_distribution import check_frequencies  # noqa: E402
 
-skip_unless_interpreted(_top_p._nucleus_kernel)
+skip_unless_interpreted(_top_p._nucleus_kernel, _top_p._ranked_kernel)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 NEAR = 1e-5
@@ -108,17 +108,15 @@ def test_sorted_threshold_of_the_cpu_path_matches_the_rule():
 
 @pytest.fixture
 def kernel_on(monkeypatch):
-    """The sampler's full-vocabulary path on the Triton kernel, even on CPU tensors; records
-    the rows of each call."""
-    monkeypatch.setattr(_sampler, "TOP_P_KERNEL_ON_CPU", True)
+    """The sampler's kernels (full vocabulary and top-k candidates), even on CPU tensors;
+    records the rows of each call."""
+    monkeypatch.setattr(_sampler, "SAMPLING_KERNELS_ON_CPU", True)
     calls = []
-    kernel = _top_p.nucleus_sample
-
-    def counted(x, *args, **kw):
-        calls.append(x.shape[0])
-        return kernel(x, *args, **kw)
-
-    monkeypatch.setattr(_top_p, "nucleus_sample", counted)
+    for name in ("nucleus_sample", "ranked_sample"):
+        def counted(x, *args, kernel=getattr(_top_p, name), **kw):
+            calls.append(x.shape[0])
+            return kernel(x, *args, **kw)
+        monkeypatch.setattr(_top_p, name, counted)
     return calls
 
 
@@ -127,10 +125,13 @@ def kernel_on(monkeypatch):
     (1000, SamplingParams(temperature=1.2, top_p=0.95, min_p=0.02), None),
     (500, SamplingParams(temperature=4.0, top_p=0.2), None),  # near-flat: many rejection rounds
     (300, SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0, top_k=5)),  # mixed
+    (200, SamplingParams(temperature=0.8, top_p=0.95, top_k=50), None),  # the top-k candidates' kernel
+    (200, SamplingParams(temperature=1.3, top_k=20, min_p=0.05), None),
+    (200, SamplingParams(temperature=1.5, top_k=8), SamplingParams(temperature=1.0, top_k=60)),  # mixed k
 ])
 def test_kernel_path_frequencies_match_the_filtered_softmax(vocab, params, neighbour, kernel_on):
     check_frequencies(vocab, params, DEVICE, neighbour, n=60_000 if CUDA else 8_000)
-    assert kernel_on  # the kernel did the filtering
+    assert kernel_on  # a kernel did the filtering
 
 
 @pytest.mark.parametrize("kernel", [True, False])
@@ -138,7 +139,7 @@ def test_mixed_batch_rows_draw_what_they_draw_alone(kernel, monkeypatch):
     """One batch of a top-k row, a top-p-only row and a greedy row (all seeded): each row's
     tokens equal those of the row sampled alone with the same seed. With the kernel, no step
     sorts anything."""
-    monkeypatch.setattr(_sampler, "TOP_P_KERNEL_ON_CPU", kernel)
+    monkeypatch.setattr(_sampler, "SAMPLING_KERNELS_ON_CPU", kernel)
     if kernel:
         def no_sort(*args, **kwargs):
             raise AssertionError("the kernel path sorted")

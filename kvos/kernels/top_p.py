@@ -163,3 +163,48 @@ def nucleus_sample(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tens
             seeds.contiguous(), out, R, V, x.stride(0), ROWS=rows, BLOCK=block, MAX_ROUNDS=MAX_ROUNDS,
             num_warps=num_warps or NUCLEUS_WARPS)
     return out
+
+
+@triton.jit(do_not_specialize=["R", "K"])
+def _ranked_kernel(vals_ptr, order_ptr, params_ptr, seed_ptr, out_ptr, R, K, ROWS: tl.constexpr, KP: tl.constexpr):
+    """``ROWS`` rows per program (1 on a GPU): a token of each row's top-k candidates (``vals``,
+    descending, ``[R, K]`` logits, and their token ids ``order``) after temperature, top-k, top-p
+    over the top-k survivors (a candidate is dropped when the mass of the better candidates
+    reaches p; the first never is) and min-p, drawn by inverse CDF in rank order with one
+    Philox uniform under the row's seed. ``params`` is float32 ``[4, R]``: temperature, top_k,
+    top_p, min_p. If rounding leaves no crossing, the top candidate is taken."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    live = rows < R
+    cols = tl.arange(0, KP)
+    t = tl.load(params_ptr + rows, mask=live, other=1.0)
+    k = tl.load(params_ptr + R + rows, mask=live, other=1.0).to(tl.int32)
+    p = tl.load(params_ptr + 2 * R + rows, mask=live, other=1.0)
+    min_p = tl.load(params_ptr + 3 * R + rows, mask=live, other=0.0)
+    seed = tl.load(seed_ptr + rows, mask=live, other=0)
+    keep = live[:, None] & (cols[None, :] < K) & (cols[None, :] < k[:, None])
+    x = tl.load(vals_ptr + rows[:, None] * K + cols[None, :], mask=keep, other=0.0).to(tl.float32) / t[:, None]
+    top = tl.max(tl.where(keep, x, float("-inf")), axis=1)
+    e = tl.where(keep, tl.exp(x - top[:, None]), 0.0)  # the first candidate's is 1
+    probs = e / tl.where(live, tl.sum(e, axis=1), 1.0)[:, None]  # dead rows: no 0 / 0
+    before = tl.cumsum(probs, axis=1) - probs
+    keep &= (p[:, None] >= 1.0) | (before < p[:, None]) | (cols[None, :] == 0)
+    keep &= e >= min_p[:, None]  # min-p against the first candidate's 1
+    e = tl.where(keep, e, 0.0)
+    goal = tl.rand(seed, tl.zeros([ROWS], tl.int32)) * tl.sum(e, axis=1)
+    i = tl.min(tl.where((tl.cumsum(e, axis=1) > goal[:, None]) & (e > 0.0), cols[None, :], KP), axis=1)
+    i = tl.where(i < KP, i, 0)
+    tl.store(out_ptr + rows, tl.load(order_ptr + rows * K + i, mask=live, other=0), mask=live)
+
+
+def ranked_sample(vals: torch.Tensor, order: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row from its top-k candidates (``vals``: logits sorted descending, any float
+    dtype, ``[R, K]``; ``order``: their int64 token ids), ``params`` float32 ``[4, R]``
+    (temperature, top_k, top_p, min_p; top_k <= K), one int64 seed per row: one launch."""
+    R, K = vals.shape
+    out = torch.empty(R, dtype=torch.long, device=vals.device)
+    rows = NUCLEUS_ROWS_INTERPRETED if triton.knobs.runtime.interpret else 1
+    if R:
+        _ranked_kernel[(triton.cdiv(R, rows),)](vals.contiguous(), order.contiguous(), params.contiguous(),
+                                                seeds.contiguous(), out, R, K, ROWS=rows,
+                                                KP=max(16, triton.next_power_of_2(K)), num_warps=4)
+    return out

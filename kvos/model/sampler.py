@@ -12,9 +12,10 @@ from kvos.engine.sampling_params import SamplingParams
 from kvos.model.ops import use_kernels
 from kvos.model.transfer import to_device
 
-TOP_P_KERNEL_ON_CPU = False
-"""Let CPU tensors take the top-p Triton kernel too (tests, under Triton's interpreter); otherwise
-it runs on CUDA only, and the CPU finds the same threshold through a sort."""
+SAMPLING_KERNELS_ON_CPU = False
+"""Let CPU tensors take the sampling Triton kernels too (tests, under Triton's interpreter);
+otherwise they run on CUDA only, and the CPU keeps the same sets with torch ops (a sort for
+top-p without top-k) and draws by an exponential race."""
 
 
 @dataclass
@@ -299,8 +300,8 @@ class Sampler:
         each path on its own rows.
 
         A seeded row's draws depend only on its own generator and parameters, whatever the batch:
-        with ``top_k`` it draws ``top_k`` values in rank order; without it, one value per token
-        in token order (the CPU) or one seed per step (the kernel on a GPU)."""
+        on the CPU, with ``top_k`` it draws ``top_k`` values in rank order, without it one value
+        per token in token order; with the kernels (a GPU), one seed per step."""
         dev = logits.device
         R, V = logits.shape
         temps = [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows]
@@ -334,15 +335,19 @@ class Sampler:
         ``topk`` when every ``top_k`` is at most ``CANDIDATES``, else a full sort; then top-k,
         top-p over the top-k survivors and min-p on them."""
         dev = logits.device
+        top_p = [1.0 if r.params.greedy else r.params.top_p for r in rows]
         if all(k <= cls.CANDIDATES for k in top_k):
             vals, order = logits.topk(max(top_k), dim=-1)  # sorted, descending
+            if use_kernels(logits) or SAMPLING_KERNELS_ON_CPU:
+                from kvos.kernels.top_p import ranked_sample
+                params = to_device([temps, top_k, top_p, [r.params.min_p for r in rows]], torch.float32, dev)
+                return ranked_sample(vals, order, params, cls._seeds(rows, dev))
         else:
             vals, order = logits.sort(dim=-1, descending=True)
         vals = cls._scaled(vals, temps)
         K = vals.shape[1]
         ranks = torch.arange(K, device=dev)[None, :]
         vals = vals.masked_fill(ranks >= to_device(top_k, torch.long, dev)[:, None], float("-inf"))
-        top_p = [1.0 if r.params.greedy else r.params.top_p for r in rows]
         if any(p < 1 for p in top_p):
             probs = vals.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass of strictly better candidates
@@ -361,7 +366,7 @@ class Sampler:
         dev = logits.device
         top_p = [r.params.top_p for r in rows]
         min_p = [r.params.min_p for r in rows]
-        if use_kernels(logits) or TOP_P_KERNEL_ON_CPU:
+        if use_kernels(logits) or SAMPLING_KERNELS_ON_CPU:
             from kvos.kernels.top_p import nucleus_sample
             t, p, mp = to_device([temps, top_p, min_p], torch.float32, dev)
             return nucleus_sample(logits, t, p, mp, cls._seeds(rows, dev))
