@@ -101,16 +101,19 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Config and dequantized float32 weights keyed by HF parameter names, in HF's convention:
     llama/mistral q/k rows un-permuted; gemma3 norm weights, which llama.cpp stores as ``1 + w``,
     returned as ``w`` (``stored - 1``, as transformers' GGUF loader does; the model adds 1 back)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    from kvos.model.gguf_index import gguf_index
+
     path = Path(path)
-    reader = _open(path)
-    cfg = read_gguf_config(reader, path)
-    arch = _field(reader, "general.architecture")
+    index = gguf_index(path)
+    cfg, arch = index.config, index.arch
+    data = np.memmap(path, mode="r")
     permuted = arch in ("llama", "mistral")
     layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     weights: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
+    for t in index.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
             layer, kind, suffix = m.groups()
@@ -122,7 +125,8 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         else:
             continue
         try:
-            w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            raw = np.ndarray(t.shape, dtype=np.dtype(t.dtype), buffer=data, offset=t.offset)
+            w = np.array(dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
         except Exception as e:
             raise ValueError(f"model: tensor {t.name} of {path} cannot be read ({e})") from e
         if permuted and kind_of(t.name) in ("attn_q", "attn_k"):

@@ -221,6 +221,8 @@ def load_tokenizer(path: Path):
     try:
         if path.is_dir():
             return AutoTokenizer.from_pretrained(str(path))
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        from kvos.model.gguf_index import cached_gguf_tokenizer
+
+        return cached_gguf_tokenizer(path)
     except Exception as e:
         raise ValueError(f"model: cannot load a tokenizer for {str(path)!r} ({type(e).__name__}: {e})") from e
