@@ -10,7 +10,7 @@ SHARED = "You are a careful assistant. Answer briefly and precisely.\n\n" + LONG
 PROMPTS = [SHARED + q for q in ("Question: what does the fox do?", "Question: where do the leaves go?",
                                  "Question: who records the items?")] + [
     "The capital of France is", "def quicksort(xs):", "Once upon a time,"]
-PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,7 @@ def test_prefix_hits_and_preemption_keep_quantized_outputs(make_llm, quant_llms,
     prefill): float32 results that differ in the last bit may round to another 8-bit value, so
     late tokens at a near-tie may differ; the first 12 of each must not, nor more than a fifth of
     all (one sequence of the six that leaves the reference at its 13th token already differs in
-    up to 35 of the 288: an eighth; which token sits at a near-tie moves with the host's float
+    at most 20 of the 192: a tenth; which token sits at a near-tie moves with the host's float
     rounding), and the pool must end empty."""
     uncached = make_llm(kv_cache_dtype=kv_dtype, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
     ref = chat(uncached, EASY[:3], system=SYSTEM)
@@ -181,13 +181,13 @@ def test_prefix_hits_and_preemption_keep_quantized_outputs(make_llm, quant_llms,
                     SP, use_tqdm=False)
     assert first == ref[:1] and [o.outputs[0].token_ids for o in outs] == ref
     assert all(o.num_cached_tokens >= 64 for o in outs)
-    long_sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    long_sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = chat(uncached, EASY, long_sp)
     for mode in (("recompute",) if kv_dtype == "fp8_e4m3" else ("swap",)):  # one mode per dtype: time
         small = make_llm(kv_cache_dtype=kv_dtype, num_blocks=10, preemption_mode=mode, enable_prefix_caching=False)
         got = chat(small, EASY, long_sp)
         assert [g[:12] for g in got] == [r[:12] for r in ref]
-        assert sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) >= 0.8 * 48 * len(EASY)
+        assert sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) >= 0.8 * long_sp.max_tokens * len(EASY)
         stats = small.stats()
         assert stats["preemptions"] > 0 and stats["used"] == 0
         if mode == "swap":

@@ -30,7 +30,7 @@ def test_no_server_errors(fuzz_server):
     """Bounded: a fixed number of generated cases per operation."""
     for op in operations(fuzz_server.url):
         @given(case=op.as_strategy())
-        @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def check(case):
             response = case.call(timeout=120)
             assert response.status_code < 500, (case.path, case.body, response.text[:300])
