@@ -1,7 +1,7 @@
 """Time the sampler's full-vocabulary kernel at decode size on a GPU (256 rows x 128,256 tokens,
 bf16 logits): ``nucleus_sample`` (rejection sampling of top-p and min-p) on flat and peaked
-rows, against greedy's argmax and, where the module still has it, the earlier two-kernel path
-(threshold search + race); then sweep its tile. With ``--then ARGS...``, set the fastest tile
+rows, against greedy's argmax (results/top-p-nucleus-h100.json also holds the earlier
+two-kernel path's times, measured before it was removed); then sweep its tile. With ``--then ARGS...``, set the fastest tile
 and run ``kvos ARGS`` in this process (e.g. ``bench sampling ...``).
 
 ``python benchmarks/scripts/top_p_kernels.py [--output F] [--then bench sampling ...]``"""
@@ -39,8 +39,6 @@ for name, (scale, t, p, mp) in CASES.items():
     x = (torch.randn(R, V, device=dev) * scale).bfloat16()
     args = (x, full(t), full(p), full(mp), seeds)
     out[f"nucleus_{name}_ms"] = do_bench(lambda: K.nucleus_sample(*args))
-    if hasattr(K, "top_p_sample"):
-        out[f"earlier_{name}_ms"] = do_bench(lambda: K.top_p_sample(*args))
 x = (torch.randn(R, V, device=dev) * 2).bfloat16()
 args = (x, full(0.8), full(0.95), full(0.0), seeds)
 sweep = {}

@@ -139,7 +139,7 @@ NUCLEUS_WARPS = 32
 """The tile of a row's pass. On an H100, 256 rows of 128,256 bf16 logits at T = 0.8 and p = 0.95
 (benchmarks/scripts/top_p_kernels.py, 2026-11-27): 8,192 tokens and 32 warps 0.23 ms; 4,096 and 16
 0.40-0.44 ms; 2,048 and 8 0.81 ms. (The earlier threshold search and race: 0.66 ms.)"""
-NUCLEUS_ROWS_INTERPRETED = 256
+ROWS_INTERPRETED = 256
 """Rows per program under Triton's CPU interpreter (numpy runs a program's tile at once); on a
 GPU one row per program."""
 MAX_ROUNDS = 64
@@ -155,7 +155,7 @@ def nucleus_sample(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tens
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(R, dtype=torch.long, device=x.device)
     interpreted = triton.knobs.runtime.interpret
-    rows = NUCLEUS_ROWS_INTERPRETED if interpreted else 1
+    rows = ROWS_INTERPRETED if interpreted else 1
     if R:
         block = block or (min(NUCLEUS_BLOCK, max(16, triton.next_power_of_2(V))) if interpreted else NUCLEUS_BLOCK)
         _nucleus_kernel[(triton.cdiv(R, rows),)](
@@ -202,7 +202,7 @@ def ranked_sample(vals: torch.Tensor, order: torch.Tensor, params: torch.Tensor,
     (temperature, top_k, top_p, min_p; top_k <= K), one int64 seed per row: one launch."""
     R, K = vals.shape
     out = torch.empty(R, dtype=torch.long, device=vals.device)
-    rows = NUCLEUS_ROWS_INTERPRETED if triton.knobs.runtime.interpret else 1
+    rows = ROWS_INTERPRETED if triton.knobs.runtime.interpret else 1
     if R:
         _ranked_kernel[(triton.cdiv(R, rows),)](vals.contiguous(), order.contiguous(), params.contiguous(),
                                                 seeds.contiguous(), out, R, K, ROWS=rows,
