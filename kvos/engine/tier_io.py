@@ -14,6 +14,10 @@ from kvos.cache.block import BlockHash
 from kvos.cache.tiers import TierHierarchy
 from kvos.engine.block_digest import block_digests, page_digests
 
+DIGEST_PIPELINE_BYTES = 32 << 20
+"""A load digests its staged rows in chunks of this size as their copies complete (on a GPU, on
+a second stream), so only the last chunk's digest is left when the last copy lands."""
+
 
 @dataclass
 class LoadedBlocks:
@@ -56,7 +60,8 @@ class TierIO:
     helper threads (checksums dominate a load, and xxh3 releases the GIL); they only read tiers,
     and only while ``fetch`` waits for them. A CPU tier with digest frames (``CPUTier.digests``,
     the engine's choice on a GPU) is not hashed on the host at all: its blocks are copied first,
-    then ``block_digests`` of the copied rows runs on the device, and the load keeps only the
+    then ``block_digests`` of the copied rows runs on the device (on a second stream, a chunk at a
+    time as the copies land, overlapping the later copies), and the load keeps only the
     blocks before the first that differs from its frame's digest (``Tier.reject`` drops that
     one), all before ``fetch`` returns, so no step ever reads an unverified block. Stores into
     it take the digests that ``ModelRunner.read_blocks`` computed on the device.
@@ -77,6 +82,8 @@ class TierIO:
         self.runner = runner
         self.device: torch.device = runner.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.digest_stream = torch.cuda.Stream(self.device) if self.stream is not None else None
+        """Digests a load's rows chunk by chunk while the copy stream still copies later blocks."""
         self.verify_threads = verify_threads or min(8, max(1, (os.cpu_count() or 1) // 2))
         self.verifiers = ThreadPoolExecutor(self.verify_threads, thread_name_prefix="kvos-tier-verify")
         self.digests = any(getattr(t, "digests", False) for t in hierarchy.tiers)
@@ -157,9 +164,26 @@ class TierIO:
         digests: list[int] = []
         finds: list[Future] = []
         first = self.h.tiers[0] if self.h.tiers else None
+        per_digest = max(1, DIGEST_PIPELINE_BYTES // bb)
         with torch.cuda.stream(self.stream):  # a no-op without a stream (CPU)
             try:
                 rows = torch.empty(len(hashes), bb, dtype=torch.uint8, device=self.device)
+                dig = torch.empty(len(hashes), dtype=torch.int64, device=self.device) if self.digests else None
+                digested = 0
+
+                def digest_copied() -> None:
+                    """Queue the digests of the rows copied since the last call, on the digest
+                    stream behind their copies (on the CPU, where copies are synchronous:
+                    computed now)."""
+                    nonlocal digested
+                    n = len(found)
+                    if dig is None or n == digested:
+                        return
+                    if self.digest_stream is not None:
+                        self.digest_stream.wait_stream(self.stream)
+                    with torch.cuda.stream(self.digest_stream):
+                        dig[digested:n] = block_digests(rows[digested:n])
+                    digested = n
 
                 def issue(key: BlockHash, got) -> bool:
                     """Queue the copy of a found block; False at a miss or a wrong size."""
@@ -168,6 +192,8 @@ class TierIO:
                     # a CPU-tier payload aliases a pinned slot: asynchronous DMA, no staging
                     rows[len(found)].copy_(_as_tensor(got[0]), non_blocking=True)
                     found.append((key, *got))
+                    if len(found) - digested >= per_digest:
+                        digest_copied()
                     return True
 
                 stopped = False
@@ -182,8 +208,7 @@ class TierIO:
                 for key, fut in zip(hashes[len(found):], finds):
                     if not issue(key, fut.result()):
                         break
-                if self.digests and found:  # queued behind the copies, on the same stream
-                    digests = block_digests(rows[: len(found)]).cpu().tolist()
+                digest_copied()
             finally:  # no slot may be rewritten while a find or a copy still reads it
                 for fut in finds:
                     fut.cancel()
@@ -192,6 +217,9 @@ class TierIO:
                     ready = torch.cuda.Event()
                     ready.record(self.stream)
                     ready.synchronize()
+                    self.digest_stream.synchronize()
+            if dig is not None and found:
+                digests = dig[: len(found)].tolist()
         for i, (key, data, tier, expect) in enumerate(found):
             if expect is not None and expect != digests[i]:
                 self.h.tiers[tier].reject(key, len(data))
