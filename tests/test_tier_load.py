@@ -10,11 +10,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                  reason="needs a CUDA GPU"))]
 
 
+@pytest.mark.parametrize("order", ["in-order", "shuffled"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_load_digests_in_chunks_and_stops_at_a_corrupt_block(device, monkeypatch):
-    """40 blocks, digested 3 at a time: intact, every installed block equals the stored one; with
-    block 25 corrupted in its slot, the load keeps exactly blocks 0-24 (a chunk digested before
-    it cannot vouch for it, one after it must not be kept) and drops that block from the tier."""
+def test_load_digests_in_chunks_and_stops_at_a_corrupt_block(device, order, monkeypatch):
+    """40 blocks, digested 3 at a time, stored into consecutive slots (copied in runs of at most 5)
+    or in a shuffled order (runs broken wherever the next block is not in the next slot): intact,
+    every installed block equals the stored one; with block 25 corrupted in its slot, the load
+    keeps exactly blocks 0-24 (a chunk digested before it cannot vouch for it, one after it must
+    not be kept) and drops that block from the tier."""
     import kvos.engine.tier_io as tier_io_mod
     from kvos.cache.tiers import CPUTier, TierHierarchy, allocate_bytearray
     from kvos.engine.tier_io import TierIO, host_digest
@@ -29,6 +32,7 @@ def test_load_digests_in_chunks_and_stops_at_a_corrupt_block(device, monkeypatch
     runner.group_pages = [kv.view(2 * n + 1, -1).view(torch.uint8)]
     bb = runner.block_bytes
     monkeypatch.setattr(tier_io_mod, "DIGEST_PIPELINE_BYTES", 3 * bb)
+    monkeypatch.setattr(tier_io_mod, "COPY_RUN_BYTES", 5 * bb + 1000)
     if dev.type == "cuda":
         from kvos.engine.pinned import PinnedAllocator
 
@@ -39,7 +43,11 @@ def test_load_digests_in_chunks_and_stops_at_a_corrupt_block(device, monkeypatch
     cpu = CPUTier(2 * (bb + 128) * (n + 4), allocate, digest_fn=host_digest)
     tio = TierIO(TierHierarchy([cpu]), runner)
     keys = [i.to_bytes(16, "little") for i in range(1, n + 1)]
-    tio.store_computed(keys, list(range(1, n + 1)), None)
+    perm = list(range(n))
+    if order == "shuffled":
+        perm = [perm[i] for i in torch.randperm(n, generator=torch.Generator().manual_seed(1)).tolist()]
+    for i in perm:  # one store per block: slots taken in this order
+        tio.store_computed([keys[i]], [i + 1], None)
     expected = kv[1: n + 1].clone()
     loaded = tio.fetch(keys)
     assert loaded.sources == ["cpu"] * n

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvos.model.transfer import to_device
+from kvos.model.transfer import as_words, to_device
 
 _MULTIPLIERS: dict[tuple[int, str], torch.Tensor] = {}
 CHUNK_BYTES = 64 << 20
@@ -51,6 +51,7 @@ def page_digests(pages: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     idx = to_device(block_ids, torch.long, pages.device)
     out = torch.empty(n, dtype=torch.int64, device=pages.device)
     step = max(1, CHUNK_BYTES // bb)
+    words = as_words(pages)
     for i in range(0, n, step):
-        out[i: i + step] = block_digests(pages[idx[i: i + step]])
+        out[i: i + step] = block_digests(words[idx[i: i + step]].view(torch.uint8))
     return out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -13,10 +12,14 @@ import torch
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers import TierHierarchy
 from kvos.engine.block_digest import block_digests, page_digests
+from kvos.engine.staged_rows import StagedRows, as_tensor
 
 DIGEST_PIPELINE_BYTES = 32 << 20
 """A load digests its staged rows in chunks of this size as their copies complete (on a GPU, on
 a second stream), so only the last chunk's digest is left when the last copy lands."""
+COPY_RUN_BYTES = 16 << 20
+"""Most bytes of consecutive CPU-tier slots a load moves in one copy: large enough for the copy
+engine's full rate, small enough that the first copy starts early."""
 
 
 @dataclass
@@ -26,24 +29,15 @@ class LoadedBlocks:
     sources: list[str]
     """The tier each block came from, in order."""
     rows: torch.Tensor
-    """``uint8 [len(sources), block_bytes]``, rows as ``ModelRunner.read_blocks`` makes them."""
+    """``uint8 [len(sources), block_bytes]``, each row a block as ``ModelRunner.read_blocks`` makes
+    it; rows may lie further apart than ``block_bytes`` (``StagedRows``)."""
     ready: torch.cuda.Event | None
     """On a GPU: recorded on the copy stream after the last copy into ``rows``."""
 
 
-def _as_tensor(data: bytes | memoryview) -> torch.Tensor:
-    """A uint8 tensor aliasing ``data`` (no copy). Read-only buffers (bytes from the disk or
-    Redis tier) are only ever read through it."""
-    if isinstance(data, memoryview) and not data.readonly:  # a CPU-tier slot
-        return torch.frombuffer(data, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
-        return torch.frombuffer(data, dtype=torch.uint8)
-
-
 def host_digest(data: bytes | memoryview) -> int:
     """``block_digests`` of one payload on the host (the slow path of a ``DigestCodec``)."""
-    return int(block_digests(_as_tensor(data).view(1, -1))[0])
+    return int(block_digests(as_tensor(data).view(1, -1))[0])
 
 
 class TierIO:
@@ -68,12 +62,13 @@ class TierIO:
 
     On a GPU each block's host-to-device copy is issued on a dedicated copy stream as soon as
     its checksum is verified (verifying later blocks overlaps the DMA of this one), into one
-    staging tensor per load. CPU-tier slots are pinned memory (``PinnedAllocator``), so a copy
+    staging tensor per load (``StagedRows``: blocks in consecutive CPU-tier slots move in one
+    copy of up to ``COPY_RUN_BYTES``). CPU-tier slots are pinned memory (``PinnedAllocator``), so a copy
     from a slot is a direct asynchronous DMA; payloads from the disk or Redis tiers are
     pageable bytes, which CUDA stages itself. The staging tensor is allocated on the copy
     stream; ``install`` makes the compute stream wait for ``ready`` and marks the tensor used
     there, so the allocator does not reuse it before the scatter has run. A load holds
-    ``n_blocks * block_bytes`` of device memory from ``fetch`` until its ``install``; if that
+    about ``n_blocks * block_bytes`` of device memory from ``fetch`` until its ``install``; if that
     allocation fails, the fetch raises and the prefix is recomputed.
     """
 
@@ -125,7 +120,7 @@ class TierIO:
                             rest = todo[n:]
                             break
                         if got is not None:
-                            _as_tensor(got[1]).copy_(pages[block_ids[i]], non_blocking=True)
+                            as_tensor(got[1]).copy_(pages[block_ids[i]], non_blocking=True)
                             reserved.append((i, hashes[i], *got))
                     if host_digests is None and digests is not None:
                         host_digests = digests.tolist()
@@ -167,16 +162,18 @@ class TierIO:
         per_digest = max(1, DIGEST_PIPELINE_BYTES // bb)
         with torch.cuda.stream(self.stream):  # a no-op without a stream (CPU)
             try:
-                rows = torch.empty(len(hashes), bb, dtype=torch.uint8, device=self.device)
+                staged = StagedRows(len(hashes), bb, getattr(first, "payload_stride", lambda: bb)(),
+                                    self.device, COPY_RUN_BYTES)
+                rows = staged.rows
                 dig = torch.empty(len(hashes), dtype=torch.int64, device=self.device) if self.digests else None
                 digested = 0
 
                 def digest_copied() -> None:
-                    """Queue the digests of the rows copied since the last call, on the digest
-                    stream behind their copies (on the CPU, where copies are synchronous:
-                    computed now)."""
+                    """Queue the digests of the rows whose copies are queued and not yet digested,
+                    on the digest stream behind those copies (on the CPU, where copies are
+                    synchronous: computed now)."""
                     nonlocal digested
-                    n = len(found)
+                    n = staged.issued
                     if dig is None or n == digested:
                         return
                     if self.digest_stream is not None:
@@ -186,13 +183,12 @@ class TierIO:
                     digested = n
 
                 def issue(key: BlockHash, got) -> bool:
-                    """Queue the copy of a found block; False at a miss or a wrong size."""
+                    """Stage a found block; False at a miss or a wrong size."""
                     if got is None or len(got[0]) != bb:
                         return False
-                    # a CPU-tier payload aliases a pinned slot: asynchronous DMA, no staging
-                    rows[len(found)].copy_(_as_tensor(got[0]), non_blocking=True)
+                    staged.add(got[0])  # a CPU-tier payload aliases a pinned slot: asynchronous DMA
                     found.append((key, *got))
-                    if len(found) - digested >= per_digest:
+                    if staged.issued - digested >= per_digest:
                         digest_copied()
                     return True
 
@@ -208,6 +204,7 @@ class TierIO:
                 for key, fut in zip(hashes[len(found):], finds):
                     if not issue(key, fut.result()):
                         break
+                staged.flush()
                 digest_copied()
             finally:  # no slot may be rewritten while a find or a copy still reads it
                 for fut in finds:

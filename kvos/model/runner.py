@@ -30,7 +30,7 @@ from kvos.model.sampler import (
     SampleRow,
     prompt_logprobs,
 )
-from kvos.model.transfer import to_device
+from kvos.model.transfer import as_words, to_device
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -213,9 +213,10 @@ class ModelRunner:
         if pages.device.type == "cpu":
             return pages[idx]
         host = torch.empty(n, bb, dtype=torch.uint8, pin_memory=True)
+        words = as_words(pages)
         step = max(1, self.READ_CHUNK_BYTES // bb)
         for i in range(0, n, step):
-            host[i: i + step].copy_(pages[idx[i: i + step]])
+            host[i: i + step].copy_(words[idx[i: i + step]].view(torch.uint8))
         return host
 
     def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -223,7 +224,7 @@ class ModelRunner:
         gathered on the current stream (so after every step queued before). Only valid while
         the blocks' content is what their owner says."""
         pages = self.block_pages()
-        return pages.index_select(0, to_device(block_ids, torch.long, pages.device))
+        return as_words(pages).index_select(0, to_device(block_ids, torch.long, pages.device)).view(torch.uint8)
 
     def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """Fill ``block_ids`` from ``rows`` (``uint8 [n, block_bytes]`` as ``read_blocks``
@@ -236,7 +237,10 @@ class ModelRunner:
         if rows.shape[1:] != pages.shape[1:]:
             raise ValueError(f"block rows of {rows.shape[1]} bytes do not fit pages of {pages.shape[1]}")
         src = rows.to(pages.device, non_blocking=True)
-        pages.index_copy_(0, to_device(block_ids, torch.long, pages.device), src)
+        words, src_words = as_words(pages), as_words(src)
+        if words.dtype != src_words.dtype:
+            words, src_words = pages, src
+        words.index_copy_(0, to_device(block_ids, torch.long, pages.device), src_words)
 
     def _generator(self, t: SampleTarget) -> torch.Generator | None:
         seed = t.params.seed

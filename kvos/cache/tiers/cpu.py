@@ -68,6 +68,12 @@ class CPUTier(Tier):
         assert self.arena is not None
         return self.arena.view(slot)[self._LEAD:]
 
+    def payload_stride(self) -> int:
+        """Bytes from one slot's payload to the next slot's in the same chunk (0 until the first
+        store fixes the slot size)."""
+        with self.lock:
+            return self.arena.stride if self.arena is not None else 0
+
     def contains(self, key: BlockHash) -> bool:
         with self.lock:
             return self.arena is not None and key in self.arena
