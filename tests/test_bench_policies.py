@@ -9,7 +9,7 @@ from kvos.cli import main
 
 def test_bench_policies_small(tmp_path, capsys):
     out = tmp_path / "policies.json"
-    rc = main(["bench", "policies", "--traces", "synthetic", "--limit", "300", "--sizes", "100", "400",
+    rc = main(["bench", "policies", "--traces", "synthetic", "--limit", "150", "--sizes", "100", "400",
                "--policies", "lru", "arc", "weighted", "--lookaheads", "0", "64", "--tier-ratios", "0", "2",
                "--tier-policies", "lru", "s3fifo", "--jobs", "1", "--output", str(out), "--plot", str(tmp_path / "p.png")])
     assert rc == 0

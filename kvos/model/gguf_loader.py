@@ -102,8 +102,8 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     llama/mistral q/k rows un-permuted; gemma3 norm weights, which llama.cpp stores as ``1 + w``,
     returned as ``w`` (``stored - 1``, as transformers' GGUF loader does; the model adds 1 back)."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
+    from kvos.model.gguf_dequant import dequantize
     from kvos.model.gguf_index import gguf_index
 
     path = Path(path)
@@ -126,7 +126,7 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             continue
         try:
             raw = np.ndarray(t.shape, dtype=np.dtype(t.dtype), buffer=data, offset=t.offset)
-            w = np.array(dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
+            w = dequantize(raw, GGMLQuantizationType(t.ggml_type))
         except Exception as e:
             raise ValueError(f"model: tensor {t.name} of {path} cannot be read ({e})") from e
         if permuted and kind_of(t.name) in ("attn_q", "attn_k"):
