@@ -294,7 +294,7 @@ def test_exported_tokenizer_matches_the_models(llm, tmp_path):
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
 def test_guidellm_load_run_has_no_errors(server, tmp_path, route):
     """guidellm, as users point it at vLLM (streams, continuous usage stats, ignore_eos), with a
-    tokenizer exported from the model file and a synthetic dataset: 20 requests, 0 errors."""
+    tokenizer exported from the model file and a synthetic dataset: 8 requests on 4 streams, 0 errors."""
     import shutil
     import subprocess
     import sys
@@ -310,15 +310,15 @@ def test_guidellm_load_run_has_no_errors(server, tmp_path, route):
         [guidellm, "run", "--backend", f"kind=openai_http,target={server.url},model={MODEL},request_format={route}",
          "--profile", "kind=concurrent,streams=4", "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
          "--tokenizer", f"kind=huggingface_auto,model={tmp_path / 'tok'}",
-         "--constraint", "kind=max_requests,count=20", "--output", f"kind=json,path={out}",
+         "--constraint", "kind=max_requests,count=8", "--output", f"kind=json,path={out}",
          "--disable-console-interactive"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     bench = json.loads(out.read_text())["benchmarks"][0]
-    assert bench["metrics"]["request_totals"] == {"successful": 20, "errored": 0, "incomplete": 0, "total": 20}
+    assert bench["metrics"]["request_totals"] == {"successful": 8, "errored": 0, "incomplete": 0, "total": 8}
     done = bench["requests"]["successful"]
     assert all(r["output_tokens"] == 16 for r in done), [r["output_tokens"] for r in done]
     if route == "/v1/completions":
         assert all(r["prompt_tokens"] == 64 for r in done)  # the exported tokenizer counts as the server does
     after = sum(server.metric("kvos:request_success_total", f'finished_reason="{r}"') for r in ("length", "stop"))
-    assert after - before == 20
+    assert after - before == 8

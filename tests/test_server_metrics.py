@@ -79,18 +79,18 @@ def test_counters_match_hits_evictions_and_requests(server):
 
 
 def test_preemption_is_counted_once_and_changes_no_token(server, llm):
-    """Two requests of 50 + 150 tokens (25 blocks each at the end) cannot both finish in 39
-    blocks: the later one is preempted once, and cannot come back before the first finishes
-    (when the pair no longer fits, neither does the victim beside the other)."""
-    a, b = token_prompt(3, 50), token_prompt(4, 50)
-    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    """Two requests of 100 + 60 tokens (20 blocks each at the end) cannot both finish in 39
+    blocks: the later one (one token behind) is preempted once, when both reach 20 blocks, and
+    cannot come back before the first finishes (its 20 blocks beside the first's 20 do not fit)."""
+    a, b = token_prompt(3, 100), token_prompt(4, 100)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     refs = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": x} for x in (a, b)], params,
                                                      use_tqdm=False)]
     start = counters(server)
 
     async def run() -> tuple[list, object]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        kw = dict(model=MODEL, max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
+        kw = dict(model=MODEL, max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
         stream_a = await client.completions.create(prompt=a, stream=True, stream_options={"include_usage": True},
                                                    **kw)
         chunks_a = [await anext(stream_a)]  # A is running before B arrives
@@ -102,12 +102,12 @@ def test_preemption_is_counted_once_and_changes_no_token(server, llm):
 
     chunks_a, resp_b = asyncio.run(run())
     assert "".join(c.choices[0].text for c in chunks_a if c.choices) == refs[0]
-    assert chunks_a[-1].usage.completion_tokens == 150
-    assert resp_b.choices[0].text == refs[1] and resp_b.usage.completion_tokens == 150
+    assert chunks_a[-1].usage.completion_tokens == 60
+    assert resp_b.choices[0].text == refs[1] and resp_b.usage.completion_tokens == 60
     end = counters(server)
     assert end["preemptions"] - start["preemptions"] == 1
     assert end["length"] - start["length"] == 2
-    assert end["prompt"] - start["prompt"] == 100 and end["generated"] - start["generated"] == 300
+    assert end["prompt"] - start["prompt"] == 200 and end["generated"] - start["generated"] == 120
 
 
 def test_pinned_prefix_survives_a_flood_through_the_api(server):

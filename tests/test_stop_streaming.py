@@ -12,7 +12,7 @@ from kvos import SamplingParams
 from tests.server import Server
 
 PROMPT = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
-N_TOKENS = 40
+N_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def stream(llm, stop: list[str], include: bool = False) -> tuple[list[str], str,
     return texts, final.text, final.stop_reason
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(start=st.integers(0, 10_000), length=st.integers(2, 12), include=st.booleans())
 def test_streamed_text_is_never_revised_and_equals_the_final_text(llm, reference_text, start, length, include):
     start %= len(reference_text) - length
@@ -87,7 +87,7 @@ def server_reference(client):
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(start=st.integers(0, 10_000), length=st.integers(2, 12))
 def test_streaming_equals_non_streaming_through_the_server(client, server_reference, reference_text, endpoint,
                                                            start, length):
