@@ -19,9 +19,9 @@ class SimTierConfig:
     """Host-memory slots, in device blocks."""
     policy: str = "lru"
     write_policy: str = "write_through"
-    load_bandwidth: float = 37e9
+    load_bandwidth: float = 46e9
     """Bytes/s of a tier-to-device load: kvos's measured CPU-tier load rate on an H100 host
-    (36.5–38.8 GB/s with digests checked on the device, against 52–55 GB/s pinned
+    (44.6–47.3 GB/s in three runs, digests checked on the device, against 54.8–55.0 GB/s pinned
     host-to-device; ``kvos bench tier-bandwidth``, 2026-11-27)."""
     lookahead: int = 1024
     """Waiting requests whose tier blocks are evicted last, farthest in the queue first (0: the
