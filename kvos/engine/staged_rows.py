@@ -2,19 +2,9 @@
 payloads' placement allows."""
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-
-def as_tensor(data: bytes | memoryview) -> torch.Tensor:
-    """A uint8 tensor aliasing ``data`` (no copy). Read-only buffers (bytes from the disk or
-    Redis tier) are only ever read through it."""
-    if isinstance(data, memoryview) and not data.readonly:  # a CPU-tier slot
-        return torch.frombuffer(data, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
-        return torch.frombuffer(data, dtype=torch.uint8)
+from kvos.model.transfer import as_tensor
 
 
 class StagedRows:

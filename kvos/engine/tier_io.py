@@ -12,7 +12,8 @@ import torch
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers import TierHierarchy
 from kvos.engine.block_digest import block_digests, page_digests
-from kvos.engine.staged_rows import StagedRows, as_tensor
+from kvos.engine.staged_rows import StagedRows
+from kvos.model.transfer import as_tensor
 
 DIGEST_PIPELINE_BYTES = 32 << 20
 """A load digests its staged rows in chunks of this size as their copies complete (on a GPU, on

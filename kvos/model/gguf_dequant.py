@@ -7,17 +7,15 @@ same everywhere. gguf applies its formula over small groups of rows, which took 
 every load of the default model on the 2-core VM."""
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
+
+from kvos.model.transfer import as_tensor
 
 
 def _rows(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
     """``raw`` (uint8, read-only memmap allowed) as ``[n_blocks, block_bytes]``, no copy."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only ever read here
-        return torch.frombuffer(np.ascontiguousarray(raw).data, dtype=torch.uint8).view(-1, block_bytes)
+    return as_tensor(np.ascontiguousarray(raw).data).view(-1, block_bytes)
 
 
 def _half(cols: torch.Tensor) -> torch.Tensor:

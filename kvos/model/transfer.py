@@ -1,6 +1,8 @@
 """Host-to-device copies that never wait for the work queued on the device."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -22,3 +24,13 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[-1] % 8 or any(s % 8 for s in rows.stride()[:-1]) or rows.storage_offset() % 8:
         return rows
     return rows.view(torch.int64)
+
+
+def as_tensor(data) -> torch.Tensor:
+    """A uint8 tensor aliasing ``data`` (bytes, a memoryview, any buffer; no copy). Read-only
+    buffers (bytes from the disk or Redis tier, a read-only memmap) are only ever read through it."""
+    if isinstance(data, memoryview) and not data.readonly:  # e.g. a CPU-tier slot
+        return torch.frombuffer(data, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+        return torch.frombuffer(data, dtype=torch.uint8)
