@@ -326,3 +326,26 @@ def test_disaggregated_prefill_moves_blocks_by_cuda_ipc(folder):
     r = stats["router"]
     assert r["prefills"] == 4 and r["transferred_blocks"] == blocks
     assert r["transferred_bytes"] == blocks * block_bytes
+    decode = stats["engines"][0]
+    assert decode["adopt_copy_bytes"] == blocks * block_bytes and decode["adopt_copy_s"] > 0
+
+
+def test_timed_copies_order_the_callers_stream_after_the_copy():
+    """A copy queued behind a long kernel on the side stream, read at once on the caller's
+    stream with no synchronisation in between: the read must see the new bytes (the caller's
+    stream waits for the copy), and the copies' device time is counted."""
+    from kvos.model.timed_copies import TimedCopies
+
+    dev = torch.device("cuda")
+    copies = TimedCopies(dev)
+    src = torch.randint(0, 200, (64 << 20,), dtype=torch.uint8, device=dev)
+    for _ in range(3):
+        src.add_(1)
+        torch.cuda.synchronize()  # the source is complete before the copy (the class's contract)
+        with torch.cuda.stream(copies.stream):
+            torch.cuda._sleep(20_000_000)  # the copy waits behind this
+        dst = copies.copy(src)
+        assert torch.equal(dst[:: 4093], src[:: 4093])
+    torch.cuda.synchronize()
+    copies.collect()
+    assert copies.copies == 3 and copies.bytes == 3 * (64 << 20) and copies.seconds > 0

@@ -264,11 +264,20 @@ def summarize(records: list[dict], wall: float, router: dict, engines: list[dict
                            "gb": moved / 1e9 if moved else None,
                            "gb_s": moved / 1e9 / router["transfer_s"] if moved and router["transfer_s"] else None,
                            "handover_ms_mean": router["transfer_s"] / router["prefills"] * 1e3}
-        copied = sum(e.get("adopted_bytes", 0) for e in engines)
+        copied = sum(e.get("adopt_copy_bytes", 0) for e in engines)
         copy_s = sum(e.get("adopt_copy_s", 0.0) for e in engines)
         if copied and copy_s:  # CUDA IPC: the decode engine's copies alone, on its device clock
+            by_size: dict[str, dict] = {}
+            for e in engines:
+                for k, (n, b, t) in e.get("adopt_copies_by_size", {}).items():
+                    row = by_size.setdefault(k, {"copies": 0, "bytes": 0, "seconds": 0.0})
+                    row["copies"] += n
+                    row["bytes"] += b
+                    row["seconds"] += t
+            for row in by_size.values():
+                row["gb_s"] = row["bytes"] / 1e9 / row["seconds"] if row["seconds"] else None
             res["transfer"].update(device_copy_gb=copied / 1e9, device_copy_s=copy_s,
-                                   device_copy_gb_s=copied / 1e9 / copy_s)
+                                   device_copy_gb_s=copied / 1e9 / copy_s, device_copies_by_size=by_size)
     return res
 
 

@@ -8,6 +8,7 @@ import torch
 from kvos.cache.block import BlockHash
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.model.runner import ModelRunner
+from kvos.model.timed_copies import TimedCopies
 
 
 class BlockAdopter:
@@ -17,18 +18,16 @@ class BlockAdopter:
     (on the current stream, so before any later step reads it); adopted blocks end unreferenced
     (evictable like any cached block); blocks whose hash this pool already holds are skipped.
     The source rows (another process's memory, mapped) are kept referenced until the copy
-    that reads them has run on the device.
+    that reads them has run on the device; they must be complete when ``adopt`` is called (the
+    sender synchronises its gather before it shares them), as the copy waits for nothing.
     """
 
     def __init__(self, kv: KVCacheManager, runner: ModelRunner) -> None:
         self.kv = kv
         self.runner = runner
-        self._reading: list[tuple[torch.cuda.Event | None, torch.cuda.Event | None, torch.Tensor]] = []
+        self._copies: TimedCopies | None = None
         self.blocks = 0
         self.bytes = 0
-        self.copy_s = 0.0
-        """Device time of the peer copies done (CUDA events around the copy alone, not the
-        local scatter after it): ``bytes / copy_s`` is the rate over the link."""
 
     def adopt(self, hashes: list[BlockHash], parent: BlockHash | None, rows: torch.Tensor, depth: int = 0) -> int:
         """Cache ``rows[i]`` under ``hashes[i]`` (a chain whose first parent is ``parent``, the
@@ -43,15 +42,12 @@ class BlockAdopter:
             return 0
         blocks = pool.get_new_blocks(len(todo))
         span = rows[todo[0]: todo[-1] + 1]
-        start = end = None
-        if rows.device.type == "cuda":  # one peer DMA of the span (copy engines), then a local scatter
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            span = torch.empty_like(span).copy_(span)
-            end.record()
+        if rows.device.type == "cuda":  # one peer DMA of the span beside the steps, then a local scatter
+            if self._copies is None:
+                self._copies = TimedCopies(self.runner.device)
+            span = self._copies.copy(span)
         local = [i - todo[0] for i in todo]
         self.runner.write_blocks([b.block_id for b in blocks], span if len(local) == len(span) else span[local])
-        self._reading.append((start, end, rows))
         self.blocks += len(blocks)
         self.bytes += len(blocks) * rows.shape[1]
         saved, pool.newly_cached = pool.newly_cached, None  # (not this engine's to write through)
@@ -65,14 +61,17 @@ class BlockAdopter:
 
     @property
     def busy(self) -> bool:
-        return bool(self._reading)
+        return self._copies is not None and self._copies.busy
 
     def collect(self) -> None:
         """Drop the source rows whose copies have run."""
-        while self._reading and (self._reading[0][1] is None or self._reading[0][1].query()):
-            start, end, _ = self._reading.pop(0)
-            if start is not None and end is not None:
-                self.copy_s += start.elapsed_time(end) / 1000
+        if self._copies is not None:
+            self._copies.collect()
 
     def stats(self) -> dict:
-        return {"adopted_blocks": self.blocks, "adopted_bytes": self.bytes, "adopt_copy_s": self.copy_s}
+        """``adopt_copy_bytes / adopt_copy_s``: the peer copies' rate over the link (device time
+        of the copies alone, not the local scatter after them)."""
+        c = self._copies
+        return {"adopted_blocks": self.blocks, "adopted_bytes": self.bytes,
+                "adopt_copy_bytes": c.bytes if c else 0, "adopt_copy_s": c.seconds if c else 0.0,
+                "adopt_copies_by_size": dict(c.by_size) if c else {}}
