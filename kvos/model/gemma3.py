@@ -45,8 +45,8 @@ class Gemma3Attention(nn.Module):
         self.sliding = cfg.layer_types is not None and cfg.layer_types[layer] == "sliding_attention"
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = ops.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = ops.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
         self.scale = cfg.attn_scale
@@ -105,7 +105,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ops.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_global: RotaryEmbedding | None = None  # set by setup_rope on the model's device
         self.rope_local: RotaryEmbedding | None = None
 

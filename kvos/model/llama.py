@@ -81,8 +81,8 @@ class Attention(nn.Module):
         self.window = cfg.layer_window(layer)
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = ops.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = ops.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.hd ** -0.5
@@ -105,8 +105,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, act_and_mul=ops.silu_and_mul) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = ops.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = ops.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope: RotaryEmbedding | None = None  # set by setup_rope on the model's device
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ops.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def setup_rope(self, device: torch.device | str) -> None:
         """Build the rotary tables on ``device``; the loader calls it once the weights are there."""

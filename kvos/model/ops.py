@@ -96,3 +96,21 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = (h * weight.float()).to(x.dtype)
     return out if residual is None else (out, x)
+
+
+FEW_ROWS = 64
+"""From 2 to this many rows, a float32 CPU linear layer multiplies ``W @ x^T`` (``Linear``)."""
+
+
+class Linear(torch.nn.Linear):
+    """``nn.Linear`` whose float32 CPU product for 2 to ``FEW_ROWS`` rows is computed as
+    ``(W @ x^T)^T``. MKL's sgemm for ``x @ W^T`` repacks all of ``W`` on every call, which for a
+    few rows costs more than the product: on the 2-core VM, SmolLM2's 113 MB output layer at 6
+    rows took 45 ms that way and 15 ms this way, a decoder layer's four products 2.9 and 2.1 ms.
+    Same weights, same state dict; other devices and larger batches use ``nn.Linear``'s path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not 1 < x.shape[0] <= FEW_ROWS:
+            return super().forward(x)
+        out = torch.mm(self.weight, x.t()).t().contiguous()
+        return out if self.bias is None else out.add_(self.bias)
