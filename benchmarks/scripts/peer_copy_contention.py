@@ -40,8 +40,17 @@ def consumer(q_in, q_out):
     big = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
     m = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
+    pinned = [torch.empty(4096, dtype=torch.int64).pin_memory() for _ in range(8)]
+    back = [torch.empty(64, dtype=torch.int64).pin_memory() for _ in range(8)]
+    small = torch.zeros(64, dtype=torch.int64, device=dev)
+
     def background(kind):
-        if kind == "mem":
+        if kind == "copies":  # like a step's inputs and outputs: small pinned copies both ways
+            for i in range(200):
+                pinned[i % 8].to(dev, non_blocking=True)
+                small.add_(1)
+                back[i % 8].copy_(small, non_blocking=True)
+        elif kind == "mem":
             for _ in range(120):
                 big.add_(1)
         elif kind == "mm":
@@ -56,6 +65,8 @@ def consumer(q_in, q_out):
             s0, b0 = tc.seconds, tc.copies
             background(kind)
             for _ in range(20):
+                if kind == "copies":
+                    background(kind)  # queued just ahead of each copy, so they overlap
                 tc.copy(src)
                 time.sleep(0.0005)
             torch.cuda.synchronize()
@@ -67,7 +78,7 @@ def consumer(q_in, q_out):
         bw = (n2 - n1) / (t2 - t1)
         print(f"{label:28s} fit: a = {(t1 - n1 / bw) * 1e6:.1f} us, bw = {bw / 1e9:.1f} GB/s", flush=True)
 
-    for kind in ["idle", "mem", "mm"]:
+    for kind in ["idle", "copies", "mem", "mm"]:
         run(kind, f"B {kind}, A idle")
     tc.LEAD_CYCLES = 0
     run("idle", "B idle, A idle, no lead")
