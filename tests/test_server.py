@@ -143,7 +143,7 @@ def test_lone_surrogates_are_a_clean_400(server):
 def test_load_with_disconnects_frees_every_block(server):
     async def one(client: httpx.AsyncClient, i: int, rng: random.Random) -> str:
         body = {"model": MODEL, "prompt": f"Request {i}: " + "tell me about memory paging " * rng.randint(1, 12),
-                "max_tokens": 48, "temperature": 0.7, "seed": i, "stream": True, "ignore_eos": True}
+                "max_tokens": 32, "temperature": 0.7, "seed": i, "stream": True, "ignore_eos": True}
         cut = rng.randint(1, 30) if i % 4 == 0 else None
         got = 0
         async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
@@ -160,10 +160,10 @@ def test_load_with_disconnects_frees_every_block(server):
     async def main():
         rng = random.Random(0)
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=100)) as c:
-            return await asyncio.gather(*(one(c, i, rng) for i in range(64)))
+            return await asyncio.gather(*(one(c, i, rng) for i in range(32)))
 
     results = asyncio.run(main())
-    assert results.count("cut") == 16 and results.count("done") == 48
+    assert results.count("cut") == 8 and results.count("done") == 24
     end = time.monotonic() + 30
     while time.monotonic() < end:
         if (server.metric("kvos:kv_cache_blocks", 'state="used"') == 0
