@@ -1,16 +1,14 @@
 """Probe: per-copy device time of TimedCopies (the decode engine's peer copies) for a range of
 sizes, with the copying GPU idle, busy with memory-bound work, or busy with matrix products on
 its main stream, and with the source GPU busy or not. Prints a fit time = a + bytes / bw."""
-import multiprocessing as mp
-import os
-import sys
+from ipc_pair import as_consumer, as_producer, open_shared, run_pair
 import time
 
 SIZES = [2 << 20, 8 << 20, 19 << 20, 64 << 20, 256 << 20]
 
 
-def producer(q_out, q_in, busy_flag):
-    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+def producer(q_out, q_in):
+    as_producer()
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
     bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda") for n in SIZES]
@@ -29,12 +27,10 @@ def producer(q_out, q_in, busy_flag):
 
 
 def consumer(q_in, q_out):
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
-    sys.path.insert(0, os.getcwd())
+    as_consumer()
     import torch
     from kvos.model.timed_copies import TimedCopies
-    shared = q_in.get()
-    srcs = [rebuild(*args) for rebuild, args in shared]
+    srcs = open_shared(q_in.get())
     dev = torch.device("cuda:0")
     tc = TimedCopies(dev)
     big = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
@@ -96,8 +92,4 @@ def consumer(q_in, q_out):
 
 
 if __name__ == "__main__":
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=producer, args=(a, b, None)); p.start()
-    c = ctx.Process(target=consumer, args=(a, b)); c.start()
-    c.join(300); p.join(30)
+    run_pair(producer, consumer)

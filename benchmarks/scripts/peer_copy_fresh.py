@@ -1,15 +1,13 @@
 """Probe: copy-engine reads of CUDA IPC memory, the same mapping again and again (warm) against
 a freshly opened handle per copy (as each prefill->decode hand-over opens one now)."""
-import multiprocessing as mp
-import os
-import sys
+from ipc_pair import as_consumer, as_producer, run_pair
 
 SIZES = [20 << 20, 400 << 20]
 FRESH = 12
 
 
 def producer(q_out, q_in):
-    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    as_producer()
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
     for n in SIZES:
@@ -20,8 +18,7 @@ def producer(q_out, q_in):
 
 
 def consumer(q_in, q_out):
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
-    sys.path.insert(0, os.getcwd())
+    as_consumer()
     import time
     import torch
     from kvos.model.timed_copies import TimedCopies
@@ -50,8 +47,4 @@ def consumer(q_in, q_out):
 
 
 if __name__ == "__main__":
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=producer, args=(a, b)); p.start()
-    c = ctx.Process(target=consumer, args=(a, b)); c.start()
-    c.join(300); p.join(30)
+    run_pair(producer, consumer)

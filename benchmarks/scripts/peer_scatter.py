@@ -2,16 +2,14 @@
 (a) copy engine into a new buffer, then a local scatter; (b) one scatter kernel reading the
 peer's memory straight into the pool (64-bit words); (c) the same in 128-bit words. Events
 around each on a side stream behind a spin, so they hold the device work alone."""
-import multiprocessing as mp
-import os
-import sys
+from ipc_pair import as_consumer, as_producer, open_shared, run_pair
 
 ROW = 2 << 20
 COUNTS = [1, 4, 10, 32, 128]
 
 
 def producer(q_out, q_in):
-    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    as_producer()
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
     bufs = [torch.randint(0, 255, (n, ROW), dtype=torch.uint8, device="cuda") for n in COUNTS]
@@ -21,11 +19,9 @@ def producer(q_out, q_in):
 
 
 def consumer(q_in, q_out):
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
-    sys.path.insert(0, os.getcwd())
+    as_consumer()
     import torch
-    shared = q_in.get()
-    srcs = [rebuild(*args) for rebuild, args in shared]
+    srcs = open_shared(q_in.get())
     dev = torch.device("cuda:0")
     pool = torch.zeros(2048, ROW, dtype=torch.uint8, device=dev)
     side = torch.cuda.Stream(dev)
@@ -70,8 +66,4 @@ def consumer(q_in, q_out):
 
 
 if __name__ == "__main__":
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=producer, args=(a, b)); p.start()
-    c = ctx.Process(target=consumer, args=(a, b)); c.start()
-    c.join(300); p.join(30)
+    run_pair(producer, consumer)
