@@ -287,6 +287,15 @@ def test_decode_num_splits_heuristic():
     assert decode_num_splits(256, 8, 2048, 16) == 1  # enough programs already
     assert decode_num_splits(1, 1, 1 << 20, 16) == _decode.MAX_SPLITS
     assert decode_num_splits(4, 2, 2048, 32, num_sms=16) == 4
+    assert decode_num_splits(64, 8, 2048, 16, programs_per_sm=8) == 2  # 8 programs per SM: 3 splits, rounded down
+
+
+def test_decode_tiles_cap_registers_only_for_measured_8bit_heads():
+    capped = _decode.decode_tiles(128, torch.bfloat16, quantized=True)
+    assert capped.max_registers == _decode.QUANTIZED_MAX_REGISTERS and capped.programs_per_sm == 8
+    assert _decode.decode_tiles(256, torch.bfloat16, quantized=True).max_registers is None
+    assert _decode.decode_tiles(128, torch.float32, quantized=True).max_registers is None
+    assert _decode.decode_tiles(128, torch.bfloat16, quantized=False).max_registers is None
 
 
 @cuda_only

@@ -1,6 +1,8 @@
 """Paged decode attention (one query token per sequence), split over the context."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -17,31 +19,53 @@ kernel holds all of a row's splits in registers."""
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                      num_sms: int = 132) -> int:
+                      num_sms: int = 132, programs_per_sm: int = 2) -> int:
     """Default context splits from shapes only: enough programs (``batch * num_kv_heads *
-    splits``) for about two waves over ``num_sms`` SMs, each split still covering at least
-    ``MIN_KEYS_PER_SPLIT`` of the ``max_blocks * block_size`` keys the block table can address.
+    splits``) for about ``programs_per_sm`` programs per SM over ``num_sms`` SMs, each split still covering
+    at least ``MIN_KEYS_PER_SPLIT`` of the ``max_blocks * block_size`` keys the block table can
+    address.
 
     Rounded down to a power of two: the split count is a compile-time constant of the kernels, so
     eager steps of ever-changing batch composition reuse the at most seven variants that the
     engine's CUDA-graph capture has already compiled, instead of stalling to compile new ones."""
-    wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    wanted = triton.cdiv(programs_per_sm * num_sms, max(1, batch * num_kv_heads))
     by_length = max_blocks * block_size // MIN_KEYS_PER_SPLIT
     splits = max(1, min(wanted, by_length, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
 
 
-def decode_tiles(head_dim_pad: int, dtype: torch.dtype, quantized: bool) -> tuple[int, int, int]:
-    """(BLOCK_N keys per tile, num_warps, num_stages) of the split kernel. Keys per tile: 64, or
-    32 for 256-wide heads so double-buffered K/V tiles stay small. 8-bit caches take twice as
-    many keys per tile (the same bytes per tile as 16-bit ones) and three stages: the best of a
-    sweep of BLOCK_N x warps x stages on an H100 (``benchmarks/scripts/sweep_quant_tiles.py``;
-    Llama-3.1-8B heads, 32K context: fp8 1.55x, int8 1.44x the bf16 cache's speed, fp8 at 81% of
-    its bytes' time, bf16 at 100%: converting each tile to q's dtype costs the rest)."""
+class DecodeTiles(NamedTuple):
+    """Launch shape of the split kernel: keys per tile, warps, pipeline stages, a register cap
+    per thread (None: the compiler's choice) and the programs per SM that ``decode_num_splits``
+    aims for."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    max_registers: int | None
+    programs_per_sm: int
+
+
+QUANTIZED_MAX_REGISTERS = 168
+"""Register cap of the 8-bit kernel at head_dim 128: three programs per SM instead of two
+(207 registers uncapped; 64 bytes spilled at 168). Each tile waits for its own loads, so resident
+programs are what hides memory latency (H100, Llama-3.1-8B heads, fp8 against the bf16 kernel:
+1.53x -> 1.62x at batch 64 x 32K, 1.59x -> 1.75x at 256 x 32K; ``benchmarks/scripts/decode_occupancy.py``)."""
+
+
+def decode_tiles(head_dim_pad: int, dtype: torch.dtype, quantized: bool) -> DecodeTiles:
+    """The split kernel's launch shape. Keys per tile: 64, or 32 for 256-wide heads so
+    double-buffered K/V tiles stay small. 8-bit caches take twice as many keys per tile (the same
+    bytes per tile as 16-bit ones), three stages, and at head_dim 128 with 16-bit queries the register cap
+    ``QUANTIZED_MAX_REGISTERS`` with splits for about 8 programs per SM (several waves of three
+    resident programs, so the last wave is not mostly idle); 16-bit caches keep two per SM.
+    Tiles and stages are the best of a sweep on an H100 (``benchmarks/scripts/sweep_quant_tiles.py``);
+    the cap and the programs per SM from ``benchmarks/scripts/decode_occupancy.py``."""
     block_n = 32 if head_dim_pad >= 256 else 64
     if quantized:
-        return 2 * block_n, 4, 3
-    return block_n, 8 if dtype == torch.float32 else 4, 2
+        cap = QUANTIZED_MAX_REGISTERS if head_dim_pad == 128 and dtype != torch.float32 else None
+        return DecodeTiles(2 * block_n, 4, 3, cap, 8 if cap else 2)
+    return DecodeTiles(block_n, 8 if dtype == torch.float32 else 4, 2, None, 2)
 
 
 @triton.jit(do_not_specialize=["stride_tb", "window"],
@@ -215,8 +239,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_blocks = block_tables.shape[1]
     if window:
         max_blocks = min(max_blocks, triton.cdiv(window, block_size))
+    block_d = padded_head_dim(head_dim)
+    tiles = decode_tiles(block_d, q.dtype, k_scale is not None)
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size)
+        num_splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size,
+                                       programs_per_sm=tiles.programs_per_sm)
     assert num_splits >= 1
     if out is None:
         out = torch.empty_like(q)
@@ -229,20 +256,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused: the kernel writes straight to out
-    block_d = padded_head_dim(head_dim)
     scales = scale_args(k_cache, k_scale, v_scale)
     dot_fp16, int8_fp16 = quantized_dot_flags(q, k_cache, k_scale is not None)
-    block_n, num_warps, num_stages = decode_tiles(block_d, q.dtype, k_scale is not None)
+    launch = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, *scales[:2],
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *scales[2:], num_heads, group, window or 0,
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype),
         HAS_WINDOW=bool(window), QUANT=k_scale is not None, DOT_FP16=dot_fp16, INT8_FP16=int8_fp16,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, num_heads)](
