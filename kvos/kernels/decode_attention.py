@@ -21,9 +21,9 @@ kernel holds all of a row's splits in registers."""
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
                       num_sms: int = 132, programs_per_sm: int = 2) -> int:
     """Default context splits from shapes only: enough programs (``batch * num_kv_heads *
-    splits``) for about ``programs_per_sm`` programs per SM over ``num_sms`` SMs, each split still covering
-    at least ``MIN_KEYS_PER_SPLIT`` of the ``max_blocks * block_size`` keys the block table can
-    address.
+    splits``) for about ``programs_per_sm`` programs per SM over ``num_sms`` SMs, each split
+    still covering at least ``MIN_KEYS_PER_SPLIT`` of the ``max_blocks * block_size`` keys the
+    block table can address.
 
     Rounded down to a power of two: the split count is a compile-time constant of the kernels, so
     eager steps of ever-changing batch composition reuse the at most seven variants that the
@@ -50,17 +50,19 @@ QUANTIZED_MAX_REGISTERS = 168
 """Register cap of the 8-bit kernel at head_dim 128: three programs per SM instead of two
 (207 registers uncapped; 64 bytes spilled at 168). Each tile waits for its own loads, so resident
 programs are what hides memory latency (H100, Llama-3.1-8B heads, fp8 against the bf16 kernel:
-1.53x -> 1.62x at batch 64 x 32K, 1.59x -> 1.75x at 256 x 32K; ``benchmarks/scripts/decode_occupancy.py``)."""
+1.53x -> 1.62x at batch 64 x 32K, 1.59x -> 1.75x at 256 x 32K;
+``benchmarks/scripts/decode_occupancy.py``)."""
 
 
 def decode_tiles(head_dim_pad: int, dtype: torch.dtype, quantized: bool) -> DecodeTiles:
     """The split kernel's launch shape. Keys per tile: 64, or 32 for 256-wide heads so
     double-buffered K/V tiles stay small. 8-bit caches take twice as many keys per tile (the same
-    bytes per tile as 16-bit ones), three stages, and at head_dim 128 with 16-bit queries the register cap
-    ``QUANTIZED_MAX_REGISTERS`` with splits for about 8 programs per SM (several waves of three
-    resident programs, so the last wave is not mostly idle); 16-bit caches keep two per SM.
-    Tiles and stages are the best of a sweep on an H100 (``benchmarks/scripts/sweep_quant_tiles.py``);
-    the cap and the programs per SM from ``benchmarks/scripts/decode_occupancy.py``."""
+    bytes per tile as 16-bit ones), three stages, and at head_dim 128 with 16-bit queries the
+    register cap ``QUANTIZED_MAX_REGISTERS`` with splits for about 8 programs per SM (several
+    waves of three resident programs, so the last wave is not mostly idle); 16-bit caches keep
+    two per SM. Tiles and stages are the best of a sweep on an H100
+    (``benchmarks/scripts/sweep_quant_tiles.py``); the cap and the programs per SM come from
+    ``benchmarks/scripts/decode_occupancy.py``."""
     block_n = 32 if head_dim_pad >= 256 else 64
     if quantized:
         cap = QUANTIZED_MAX_REGISTERS if head_dim_pad == 128 and dtype != torch.float32 else None
