@@ -290,12 +290,13 @@ def test_decode_num_splits_heuristic():
     assert decode_num_splits(64, 8, 2048, 16, programs_per_sm=8) == 2  # 8 programs per SM: 3 splits, rounded down
 
 
-def test_decode_tiles_cap_registers_only_for_measured_8bit_heads():
-    capped = _decode.decode_tiles(128, torch.bfloat16, quantized=True)
-    assert capped.max_registers == _decode.QUANTIZED_MAX_REGISTERS and capped.programs_per_sm == 8
-    assert _decode.decode_tiles(256, torch.bfloat16, quantized=True).max_registers is None
-    assert _decode.decode_tiles(128, torch.float32, quantized=True).max_registers is None
-    assert _decode.decode_tiles(128, torch.bfloat16, quantized=False).max_registers is None
+def test_decode_tiles_double_buffer_only_measured_8bit_heads():
+    measured = _decode.decode_tiles(128, torch.bfloat16, quantized=True)
+    assert measured.num_stages == _decode.QUANTIZED_STAGES == 5 and measured.programs_per_sm == 4
+    for other in (_decode.decode_tiles(256, torch.bfloat16, quantized=True),
+                  _decode.decode_tiles(128, torch.float32, quantized=True),
+                  _decode.decode_tiles(128, torch.bfloat16, quantized=False)):
+        assert other.num_stages <= 3 and other.programs_per_sm == 2 and other.max_registers is None
 
 
 @cuda_only

@@ -22,7 +22,7 @@ for batch, ctx in ((64, 32768), (256, 32768), (256, 8192), (64, 8192)):
         tb = timed(lambda: D.paged_decode_attention(q, kb, vb, tables, lens, 0.088, num_splits=splits))
         line = f"  splits={splits:2d}: bf16 {tb:.3f}"
         for cap in (None, 168, 128):
-            D.decode_tiles = lambda *a, cap=cap: D.DecodeTiles(128, 4, 3, cap, 2)
+            D.decode_tiles = lambda *a, cap=cap: D.DecodeTiles(128, 4, 3, programs_per_sm=2, max_registers=cap)
             t = timed(lambda: D.paged_decode_attention(q, kq, vq, tables, lens, 0.088, k_scale=ks, v_scale=vs,
                                                        num_splits=splits))
             D.decode_tiles = engine_tiles

@@ -49,7 +49,7 @@ if mode == "decode":
         for name in ("fp8_e4m3", "int8"):
             k, v, ks, vs = caches[name]
             for bn, w, st in ((128, 4, 2), (128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 4, 4)):
-                D.decode_tiles = lambda *a, bn=bn, w=w, st=st: D.DecodeTiles(bn, w, st, None, 2)
+                D.decode_tiles = lambda *a, bn=bn, w=w, st=st: D.DecodeTiles(bn, w, st, programs_per_sm=2)
                 try:
                     t = timed(lambda: D.paged_decode_attention(q, k, v, tables, lens, 0.088, k_scale=ks, v_scale=vs))
                     print(f"  {name} BLOCK_N={bn} warps={w} stages={st}: {t:.3f} ms ({bf / t:.2f}x bf16)", flush=True)

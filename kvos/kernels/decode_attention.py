@@ -35,39 +35,41 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
 
 
 class DecodeTiles(NamedTuple):
-    """Launch shape of the split kernel: keys per tile, warps, pipeline stages, a register cap
-    per thread (None: the compiler's choice) and the programs per SM that ``decode_num_splits``
-    aims for."""
+    """Launch shape of the split kernel: keys per tile, warps, pipeline stages, the programs per SM
+    that ``decode_num_splits`` aims for, and a register cap per thread (None: the compiler's
+    choice; the engine sets none, the probes in ``benchmarks/scripts`` sweep it)."""
 
     block_n: int
     num_warps: int
     num_stages: int
-    max_registers: int | None
     programs_per_sm: int
+    max_registers: int | None = None
 
 
-QUANTIZED_MAX_REGISTERS = 168
-"""Register cap of the 8-bit kernel at head_dim 128: three programs per SM instead of two
-(207 registers uncapped; 64 bytes spilled at 168). Each tile waits for its own loads, so resident
-programs are what hides memory latency (H100, Llama-3.1-8B heads, fp8 against the bf16 kernel:
-1.53x -> 1.62x at batch 64 x 32K, 1.59x -> 1.75x at 256 x 32K;
-``benchmarks/scripts/decode_occupancy.py``)."""
+QUANTIZED_STAGES = 5
+"""Pipeline stages of the 8-bit kernel at head_dim 128 with 16-bit queries. Up to 4 stages
+Triton 3.6's pipeliner keeps one shared-memory buffer per K/V tile here (the next tile's copies
+are issued after the current tile's math and awaited at the top of the next iteration, so a
+program never overlaps its loads with its math); from 5 it double-buffers K and V and leaves the
+next tile's copies in flight (77 KB of shared memory per program; two programs per SM). H100,
+Llama-3.1-8B heads, kernel alone, fp8 against the bf16 kernel: 1.63x -> 1.76x at batch 64 x 32K,
+1.75x -> 1.77x at 256 x 32K (``benchmarks/scripts/decode_stages.py``)."""
 
 
 def decode_tiles(head_dim_pad: int, dtype: torch.dtype, quantized: bool) -> DecodeTiles:
     """The split kernel's launch shape. Keys per tile: 64, or 32 for 256-wide heads so
     double-buffered K/V tiles stay small. 8-bit caches take twice as many keys per tile (the same
-    bytes per tile as 16-bit ones), three stages, and at head_dim 128 with 16-bit queries the
-    register cap ``QUANTIZED_MAX_REGISTERS`` with splits for about 8 programs per SM (several
-    waves of three resident programs, so the last wave is not mostly idle); 16-bit caches keep
-    two per SM. Tiles and stages are the best of a sweep on an H100
-    (``benchmarks/scripts/sweep_quant_tiles.py``); the cap and the programs per SM come from
-    ``benchmarks/scripts/decode_occupancy.py``."""
+    bytes per tile as 16-bit ones) and three stages; at head_dim 128 with 16-bit queries
+    ``QUANTIZED_STAGES`` with splits for about 4 programs per SM (two waves of two resident
+    programs). 16-bit caches keep two stages and two programs per SM. Every choice is the best
+    of a sweep on an H100 (``benchmarks/scripts/sweep_quant_tiles.py``,
+    ``benchmarks/scripts/decode_stages.py``)."""
     block_n = 32 if head_dim_pad >= 256 else 64
     if quantized:
-        cap = QUANTIZED_MAX_REGISTERS if head_dim_pad == 128 and dtype != torch.float32 else None
-        return DecodeTiles(2 * block_n, 4, 3, cap, 8 if cap else 2)
-    return DecodeTiles(block_n, 8 if dtype == torch.float32 else 4, 2, None, 2)
+        if head_dim_pad == 128 and dtype != torch.float32:
+            return DecodeTiles(2 * block_n, 4, QUANTIZED_STAGES, 4)
+        return DecodeTiles(2 * block_n, 4, 3, 2)
+    return DecodeTiles(block_n, 8 if dtype == torch.float32 else 4, 2, 2)
 
 
 @triton.jit(do_not_specialize=["stride_tb", "window"],
