@@ -21,7 +21,7 @@ run: install  # serves the default model on 127.0.0.1:8000 and prints how to cal
 
 test: install  # the CPU suite: on the CPU even where a GPU is visible (--device auto would take it)
 	.ci/ensure-redis
-	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile --durations=20
+	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 test-gpu:  # on a CUDA machine whose python3 has torch, triton and transformers (no install step)
 	python3 -m pytest -q tests/test_kernels.py tests/test_kv_quant_kernels.py tests/test_elementwise_kernels.py tests/test_gpu.py tests/test_sampler_distribution.py tests/test_top_p_kernel.py \

@@ -9,6 +9,23 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+HEAVIEST_FILES = [
+    "test_gemma3_engine.py", "test_data_parallel.py", "test_cache_invariance.py", "test_triton_engine_cpu.py",
+    "test_tiers.py", "test_server.py", "test_kv_quant.py", "test_simulator.py", "test_hf_parity.py",
+    "test_gemma3_model.py", "test_bench_serve.py", "test_gemma3_server.py", "test_async_scheduling.py",
+    "test_disaggregated.py", "test_stop_streaming.py", "test_engine.py", "test_bench_policies.py",
+]
+"""Test files by their time on the 2-core VM (2026-11-28, ``--durations``), heaviest first."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Heaviest files first, each file's tests in their own order. ``make test`` hands whole
+    files to two xdist workers in collection order (``--dist loadfile --no-loadscope-reorder``),
+    so the long files start early and the workers finish together, instead of the few-test,
+    long files (which xdist's default reorder puts last) running alone at the end."""
+    rank = {name: i for i, name in enumerate(HEAVIEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1], len(rank)))
+
 
 @pytest.fixture(scope="session")
 def llm():

@@ -10,7 +10,7 @@ import torch
 
 from kvos import LLM, SamplingParams
 from tests.prompts import LONG_DOC
-from tests.test_hf_parity import hf_greedy
+from tests.hf_reference import hf_greedy
 
 NEW_TOKENS = 12
 KV_BYTES = 128 << 20

@@ -17,6 +17,7 @@ import torch
 from kvos.model.attention import AttentionMetadata, KVCache, TorchReferenceBackend
 from kvos.model.config import ModelConfig
 from kvos.model.loader import CONFIGS_DIR, load_model, load_tokenizer, resolve_config_path
+from tests.hf_reference import hf_greedy
 from tests.prompts import LONG_DOC
 
 BLOCK = 16
@@ -98,21 +99,6 @@ def kvos_greedy(model, ids: list[int], steps: int, chunks: list[int] | None = No
             p, fed = len(ids) + step, (force or tokens)[step]
             hidden = model(torch.tensor([fed], device=dev), torch.tensor([p], device=dev), seq.kv_caches,
                            seq.metas(p, 1), backend)
-    return tokens, logits
-
-
-@torch.inference_mode()
-def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Plain greedy decoding with transformers' own (sliding-window aware) KV cache."""
-    dev = model.lm_head.weight.device
-    past, cur, tokens, logits = None, torch.tensor([ids], device=dev), [], []
-    for _ in range(steps):
-        out = model(input_ids=cur, past_key_values=past, use_cache=True, logits_to_keep=1)
-        past = out.past_key_values
-        row = out.logits[0, -1].float().cpu()
-        tokens.append(int(row.argmax()))
-        logits.append(row)
-        cur = torch.tensor([[tokens[-1]]], device=dev)
     return tokens, logits
 
 

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.server import Server
-from tests.test_hf_parity import hf_greedy
+from tests.hf_reference import hf_greedy
 
 PROMPT = ("The river carries leaves toward the sea, and the committee records every item in its "
           "ledger before the evening bell rings over the old town square, where the merchants fold "

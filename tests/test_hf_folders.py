@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvos import SamplingParams
-from tests.test_hf_parity import hf_greedy
+from tests.hf_reference import hf_greedy
 
 PROMPT = "The capital of France is"
 

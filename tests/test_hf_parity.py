@@ -4,23 +4,10 @@ from __future__ import annotations
 import torch
 
 from kvos import SamplingParams
+from tests.hf_reference import hf_greedy
 from tests.prompts import PROMPTS
 
 NEW_TOKENS = 32
-
-
-@torch.inference_mode()
-def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Plain greedy decoding with transformers' own KV cache, EOS not special."""
-    past, cur, tokens, logits = None, torch.tensor([ids], device=model.device), [], []
-    for _ in range(steps):
-        out = model(input_ids=cur, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        row = out.logits[0, -1].float()
-        tokens.append(int(row.argmax()))
-        logits.append(row)
-        cur = torch.tensor([[tokens[-1]]], device=model.device)
-    return tokens, logits
 
 
 def test_prompts_cover_a_long_one(tokenizer):
