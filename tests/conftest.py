@@ -21,8 +21,9 @@ HEAVIEST_FILES = [
 def pytest_collection_modifyitems(config, items):
     """Heaviest files first, each file's tests in their own order. ``make test`` hands whole
     files to two xdist workers in collection order (``--dist loadfile --no-loadscope-reorder``),
-    so the long files start early and the workers finish together, instead of the few-test,
-    long files (which xdist's default reorder puts last) running alone at the end."""
+    so a long file never starts last and runs alone at the end (xdist's default reorder puts
+    files with few tests, the long ones here, last). Measured: 1,621 s against 1,620 s, the
+    workers were already balanced; this keeps them so as files grow."""
     rank = {name: i for i, name in enumerate(HEAVIEST_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1], len(rank)))
 
