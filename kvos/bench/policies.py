@@ -13,8 +13,9 @@ import argparse
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from kvos.bench.job_pool import job_pool
 
 from kvos.cache.eviction import POLICIES
 
@@ -81,7 +82,7 @@ def run(a: argparse.Namespace) -> int:
                 for setting in settings(a, int(ratio * size)):
                     jobs.append((name, (path, a.limit, size, *setting[:2], a.max_num_seqs, *setting[2:])))
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+    with job_pool(a.jobs) as pool:
         rows = list(pool.map(_one, [j for _, j in jobs]))
     results: dict[str, list[dict]] = {}
     for (name, _), row in zip(jobs, rows):

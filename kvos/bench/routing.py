@@ -33,8 +33,9 @@ import argparse
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from kvos.bench.job_pool import job_pool
 
 from kvos.router.policies import ROUTERS
 
@@ -148,7 +149,7 @@ def run(a: argparse.Namespace) -> dict:
     trace, _ = _setup(path, a.limit)
     blocks = a.blocks or default_blocks(a.gpu_memory_utilization)
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+    with job_pool(a.jobs) as pool:
         per_engine_rps = None
         if a.time_scale is None:
             calib = min(len(trace), a.calibration_requests)
