@@ -11,8 +11,12 @@ Setup, and why:
   turn's prompt extends what an engine cached at the previous turn, and the shared system
   prompts are hits on whichever engine already holds them. This is the traffic a prefix-aware
   router exists for: a router that sends a chat's next turn elsewhere recomputes its history.
-- Load: ``--concurrency`` chats run at once (a chat's turns run one after another), so the
-  fleet sees a closed loop of ``--concurrency`` requests at most.
+- Load, closed loop (the default): ``--concurrency`` chats run at once (a chat's turns run one
+  after another), so the fleet sees ``--concurrency`` requests at most, and a slower fleet is
+  offered less. Open loop (``--arrival-rate R``): chats start at Poisson times, R per second
+  (seeded: the same times for every run), however many are in flight, each turn still after
+  the previous one's reply; every router then faces the same arrivals, and one that computes
+  more queues more.
 - Runs: ``--data-parallel`` engines behind each of ``--routers``, each run with fresh engines
   (empty caches) and the same prompts (same seed). With ``--prefill-decode``, one more run: one
   engine prefills every prompt and sends its KV blocks to one engine that decodes (router
@@ -60,7 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-len", type=int, default=2048, help="tokens per system prompt")
     p.add_argument("--user-len", type=int, default=128, help="tokens per user message")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per turn (greedy, EOS ignored)")
-    p.add_argument("--concurrency", type=int, default=64, help="conversations in flight at once")
+    p.add_argument("--concurrency", type=int, default=64, help="conversations in flight at once (closed loop)")
+    p.add_argument("--arrival-rate", type=float, default=None, metavar="R",
+                   help="open loop: conversations start at Poisson times, R per second (--concurrency unused)")
     p.add_argument("--data-parallel", type=int, default=2, metavar="N", help="engines behind each router")
     p.add_argument("--routers", default="kv_aware,round_robin,least_loaded",
                    help=f"comma-separated, one run each (of {', '.join(ROUTERS)})")
@@ -176,14 +182,32 @@ async def warm_up(dp, wl: Workload, params) -> list[int]:
     return routed
 
 
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Start times (seconds from 0) of ``n`` conversations arriving as a Poisson process of
+    ``rate`` per second: the first at 0, then exponential gaps of mean ``1 / rate``; the same
+    ``seed`` gives the same times."""
+    if not rate > 0:
+        raise ValueError(f"arrival_rate must be positive, got {rate!r}")
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 async def drive(dp, wl: Workload, a: argparse.Namespace, params) -> tuple[list[dict], float]:
-    """Every conversation, ``--concurrency`` at once, each turn after the previous one's reply;
-    per-request records and the wall seconds."""
+    """Every conversation, ``--concurrency`` at once or starting at ``--arrival-rate``'s times,
+    each turn after the previous one's reply; per-request records and the wall seconds."""
     bound = PrefixBound(dp.block_size)
     records: list[dict] = []
-    sem = asyncio.Semaphore(a.concurrency)
+    open_loop = a.arrival_rate is not None
+    starts = arrival_times(len(wl.users), a.arrival_rate, a.bench_seed + 2) if open_loop else None
+    sem = asyncio.Semaphore(len(wl.users) if open_loop else a.concurrency)
+    t0 = time.perf_counter()
 
     async def conversation(c: int) -> None:
+        if starts is not None:
+            await asyncio.sleep(max(0.0, t0 + starts[c] - time.perf_counter()))
         async with sem:
             history = list(wl.systems[c % len(wl.systems)])
             for k, user in enumerate(wl.users[c]):
@@ -193,7 +217,6 @@ async def drive(dp, wl: Workload, a: argparse.Namespace, params) -> tuple[list[d
                 history = prompt + reply
                 bound.add(history[:-1])
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(conversation(c) for c in range(len(wl.users))))
     return records, time.perf_counter() - t0
 
@@ -355,6 +378,8 @@ def run(a: argparse.Namespace) -> dict:
     bad = [r for r in routers if r not in ROUTERS]
     if bad:
         raise ValueError(f"routers: {bad} not among {', '.join(ROUTERS)}")
+    if a.arrival_rate is not None and not a.arrival_rate > 0:
+        raise ValueError(f"--arrival-rate must be positive, got {a.arrival_rate}")
     kw = {**engine_kwargs(a), "skip_tokenizer_init": True}
     vocab = a.vocab_size or model_vocab_size(kw)
     wl = make_workload(a, vocab)

@@ -1,0 +1,47 @@
+"""The fleet bench's workload parts that need no engine: open-loop arrival times and the
+one-unbounded-cache bound its hit rates are held against (the engines' runs are GPU benchmarks
+and a CPU run in benchmarks/README.md)."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from kvos.bench.fleet import PrefixBound, arrival_times
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    rate, n = 2.5, 4000
+    t = arrival_times(n, rate, seed=7)
+    assert t == arrival_times(n, rate, seed=7) and t != arrival_times(n, rate, seed=8)
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert t[0] == 0 and min(gaps) >= 0
+    # exponential gaps: mean 1/rate (standard error 1/rate/sqrt(n), 1.6% here) and a
+    # coefficient of variation of 1 (evenly spaced arrivals would have 0)
+    assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.06)
+    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, abs=0.08)
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, float("nan")])
+def test_arrival_rate_must_be_positive(rate):
+    with pytest.raises(ValueError, match="arrival_rate"):
+        arrival_times(3, rate, seed=0)
+
+
+def test_prefix_bound_counts_full_blocks_sent_before():
+    bound = PrefixBound(block_size=4)
+    system = list(range(100, 110))  # 10 tokens: two full blocks and a part
+    assert bound.hit_tokens(system + [1, 2, 3]) == 0  # nothing sent before
+    # the same system prompt, another user message: its two full blocks were sent
+    assert bound.hit_tokens(system + [7, 8, 9]) == 8
+    # a finished turn's prompt and reply: the next turn hits all of its full blocks but the last
+    # token's (never computed)
+    turn = system + [7, 8, 9] + [50, 51, 52, 53, 54]  # 18 tokens
+    bound.add(turn[:-1])
+    assert bound.hit_tokens(turn + [60, 61, 62]) == 16
+    # the same prompt twice: only full blocks count, never the part of one
+    again = system + [5]  # 11 tokens, 10 before the last: two full blocks and a part
+    bound.hit_tokens(again)
+    assert bound.hit_tokens(again) == 8
+    # a block differing in one token breaks the chain from there on
+    assert bound.hit_tokens([100, 101, 102, 999] + system[4:]) == 0
