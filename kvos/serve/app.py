@@ -10,11 +10,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvos
@@ -29,8 +28,8 @@ from kvos.serve.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEO
 from kvos.serve.metrics import ServerMetrics
 from kvos.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PinRequest,
                                  TokenizeRequest)
-from kvos.serve.responses import (LogprobFormatter, chat_body, completion_body, finish_reason, prompt_text,
-                                  sse, system_fingerprint, usage)
+from kvos.serve.responses import LogprobFormatter, chat_body, completion_body, system_fingerprint
+from kvos.serve.streaming import UsageMode, chat_chunks, completion_chunks, observe_finished, sse_response
 
 log = logging.getLogger("kvos.serve")
 
@@ -312,10 +311,10 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
                                     bool(body.stream))
         with_ids = _returns_token_ids(state, body)
         if body.stream:
-            return _sse_response(_completion_chunks(state, rid, streams, params.n, _UsageMode(body), body.echo,
-                                                    with_ids))
+            return sse_response(completion_chunks(state, rid, streams, params.n, UsageMode(body), body.echo,
+                                                  with_ids))
         outs = await _collect(state, request, streams)
-        _observe(state, streams)
+        observe_finished(state, streams)
         return completion_body(rid, state.model_name, outs, params.n, state.logprobs, state.fingerprint,
                                body.echo, with_ids)
 
@@ -336,9 +335,9 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
                                     _salt(request, body.cache_salt), bool(body.stream))
         with_ids = _returns_token_ids(state, body)
         if body.stream:
-            return _sse_response(_chat_chunks(state, rid, streams[0], _UsageMode(body), top_n, with_ids))
+            return sse_response(chat_chunks(state, rid, streams[0], UsageMode(body), top_n, with_ids))
         outs = await _collect(state, request, streams)
-        _observe(state, streams)
+        observe_finished(state, streams)
         return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint, with_ids)
 
     app.include_router(v1)
@@ -540,7 +539,7 @@ async def _collect(state: ServerState, request: Request, streams: list[RequestSt
             work.cancel()
             for s in streams:
                 await s.aclose()
-    _observe(state, streams)
+    observe_finished(state, streams)
     log.info("client disconnected; aborted %s (x-request-id %s)", streams[0].request_id.rsplit("-", 1)[0],
              request.scope.get("state", {}).get("request_id"))
     raise ClientDisconnected
@@ -550,172 +549,3 @@ def _retrieve(fut: asyncio.Future) -> None:
     """Mark a cancelled gather's outcome as seen (else asyncio logs "exception was never retrieved")."""
     if not fut.cancelled():
         fut.exception()
-
-
-def _observe(state: ServerState, streams: list[RequestStream]) -> None:
-    now = time.monotonic()
-    for s in streams:
-        out = s.last
-        if out is None:
-            continue
-        c = out.outputs[0]
-        state.metrics.observe(len(out.prompt_token_ids), s.arrival, s.first_output_time, now,
-                              len(c.token_ids), finish_reason(c) or "abort")
-
-
-def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
-    """Interleave several request streams as (prompt index, output)."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                await queue.put((i, out))
-        except Exception as e:  # the consumer raises it
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    live = len(tasks)
-    try:
-        while live:
-            i, out = await queue.get()
-            if out is None:
-                live -= 1
-            elif isinstance(out, Exception):
-                raise out
-            else:
-                yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            await s.aclose()
-
-
-def _error_event(e: Exception) -> dict:
-    """The SSE event that ends a stream cut short (OpenAI's error shape): 503 ``draining`` when the
-    server shut down, else an internal error."""
-    if isinstance(e, EngineStopped):
-        return {"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": e.code}}
-    log.exception("stream failed")
-    return {"error": {"message": f"internal error: {e}", "type": "internal_error", "param": None, "code": None}}
-
-
-class _UsageMode:
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and ``"usage": null``
-    on every other chunk, as OpenAI sends); ``continuous_usage_stats`` (vLLM) puts the usage so far
-    in every chunk."""
-
-    def __init__(self, body) -> None:
-        opts = body.stream_options
-        self.final = bool(opts and opts.include_usage)
-        self.continuous = bool(opts and opts.continuous_usage_stats)
-
-    def field(self, outs) -> dict:
-        if self.continuous:
-            return {"usage": usage(outs)}
-        return {"usage": None} if self.final else {}
-
-
-async def _completion_chunks(state: ServerState, rid: str, streams: list[RequestStream], n: int,
-                             mode: _UsageMode, echo: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
-    """With ``echo`` a choice's first chunk starts with the prompt's text; with prompt logprobs
-    it carries them (vLLM). With ``token_ids`` every new token makes a chunk (text or not)."""
-    created, model = int(time.time()), state.model_name
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": state.fingerprint}
-    sent_text: dict[tuple[int, int], int] = {}
-    sent_tokens: dict[tuple[int, int], int] = {}
-    finished: set[tuple[int, int]] = set()
-    last = {}
-    try:
-        async for i, out in _merge(streams):
-            last[i] = out
-            for c in out.outputs:
-                key = (i, c.index)
-                if key in finished:
-                    continue
-                first = key not in sent_text
-                t0, k0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                delta = c.text[t0:]
-                reason = finish_reason(c)
-                new_ids = token_ids and len(c.token_ids) > k0
-                if not delta and not new_ids and reason is None and not (first and (echo or out.prompt_logprobs)):
-                    continue
-                sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
-                head = prompt_text(out, state.tokenizer) if echo else ""
-                if first and echo:
-                    delta = head + delta
-                choice = {"index": i * n + c.index, "text": delta,
-                          "logprobs": state.logprobs.completion(c, k0, len(head) + t0), "finish_reason": reason}
-                if first and out.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = state.logprobs.prompt(out.prompt_logprobs)
-                if token_ids:
-                    choice["token_ids"] = c.token_ids[k0:]
-                    if first:
-                        choice["prompt_token_ids"] = out.prompt_token_ids
-                if reason is not None:
-                    finished.add(key)
-                yield sse({**base, "choices": [choice], **mode.field([last[i] for i in sorted(last)])})
-        if mode.final:
-            yield sse({**base, "choices": [], "usage": usage([last[i] for i in sorted(last)])})
-        yield sse("[DONE]")
-    except Exception as e:  # cut at shutdown, or an engine error: say so and end the stream properly
-        yield sse(_error_event(e))
-        yield sse("[DONE]")
-    finally:
-        _observe(state, streams)
-
-
-async def _chat_chunks(state: ServerState, rid: str, stream: RequestStream, mode: _UsageMode,
-                       top_n: int, token_ids: bool = False) -> AsyncIterator[str]:
-    created, model = int(time.time()), state.model_name
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": state.fingerprint}
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
-    try:
-        async for out in stream:
-            for c in out.outputs:
-                if c.index in finished:
-                    continue
-                if c.index not in sent_text:
-                    sent_text[c.index] = sent_tokens[c.index] = 0
-                    first = {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}
-                    if token_ids:
-                        first["prompt_token_ids"] = out.prompt_token_ids
-                    yield sse({**base, "choices": [first], **mode.field([out])})
-                t0, k0 = sent_text[c.index], sent_tokens[c.index]
-                delta, reason = c.text[t0:], finish_reason(c)
-                if delta or len(c.token_ids) > k0:
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    choice = {"index": c.index, "delta": {"content": delta},
-                              "logprobs": state.logprobs.chat(c, k0, top_n), "finish_reason": None}
-                    if token_ids:
-                        choice["token_ids"] = c.token_ids[k0:]
-                    yield sse({**base, "choices": [choice], **mode.field([out])})
-                if reason is not None:
-                    finished.add(c.index)
-                    yield sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
-                                                    "finish_reason": reason}], **mode.field([out])})
-        if mode.final and stream.last is not None:
-            yield sse({**base, "choices": [], "usage": usage([stream.last])})
-        yield sse("[DONE]")
-    except Exception as e:  # cut at shutdown, or an engine error: say so and end the stream properly
-        yield sse(_error_event(e))
-        yield sse("[DONE]")
-    finally:
-        _observe(state, [stream])
