@@ -315,7 +315,13 @@ def test_guidellm_load_run_has_no_errors(server, tmp_path, route):
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     bench = json.loads(out.read_text())["benchmarks"][0]
-    assert bench["metrics"]["request_totals"] == {"successful": 8, "errored": 0, "incomplete": 0, "total": 8}
+    totals = bench["metrics"]["request_totals"]
+    assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
+    # guidellm 0.8 drops a request's "completed" update when it overtakes that request's
+    # "in_progress" one: the request stays in its processing set, counted nowhere (seen once in
+    # a fresh-clone run: 7 successful, 1 processing). The server's own count below is exact.
+    lost = bench["scheduler_state"]["processing_requests"]
+    assert totals["successful"] + lost == 8 and lost <= 1, (totals, lost)
     done = bench["requests"]["successful"]
     assert all(r["output_tokens"] == 16 for r in done), [r["output_tokens"] for r in done]
     if route == "/v1/completions":
