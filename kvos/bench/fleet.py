@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import multiprocessing
@@ -200,9 +201,8 @@ async def drive(dp, wl: Workload, a: argparse.Namespace, params) -> tuple[list[d
     each turn after the previous one's reply; per-request records and the wall seconds."""
     bound = PrefixBound(dp.block_size)
     records: list[dict] = []
-    open_loop = a.arrival_rate is not None
-    starts = arrival_times(len(wl.users), a.arrival_rate, a.bench_seed + 2) if open_loop else None
-    sem = asyncio.Semaphore(len(wl.users) if open_loop else a.concurrency)
+    starts = arrival_times(len(wl.users), a.arrival_rate, a.bench_seed + 2) if a.arrival_rate is not None else None
+    sem = asyncio.Semaphore(a.concurrency) if starts is None else contextlib.nullcontext()
     t0 = time.perf_counter()
 
     async def conversation(c: int) -> None:

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from kvos.bench.job_pool import job_pool
-
 from kvos.cache.eviction import POLICIES
 
 TRACES = {"conversation": "mooncake_conversation.jsonl.gz", "synthetic": "mooncake_synthetic.jsonl.gz"}

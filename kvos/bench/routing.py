@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 from kvos.bench.job_pool import job_pool
-
 from kvos.router.policies import ROUTERS
 
 TRACES = {"conversation": "mooncake_conversation.jsonl.gz", "synthetic": "mooncake_synthetic.jsonl.gz"}
