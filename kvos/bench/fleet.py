@@ -59,6 +59,8 @@ from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from kvos.cli import _positive
+
     p.add_argument("--conversations", type=int, default=200)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-prompts", type=int, default=8, help="distinct shared system prompts")
@@ -66,7 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-len", type=int, default=128, help="tokens per user message")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per turn (greedy, EOS ignored)")
     p.add_argument("--concurrency", type=int, default=64, help="conversations in flight at once (closed loop)")
-    p.add_argument("--arrival-rate", type=float, default=None, metavar="R",
+    p.add_argument("--arrival-rate", type=_positive(float), default=None, metavar="R",
                    help="open loop: conversations start at Poisson times, R per second (--concurrency unused)")
     p.add_argument("--data-parallel", type=int, default=2, metavar="N", help="engines behind each router")
     p.add_argument("--routers", default="kv_aware,round_robin,least_loaded",
@@ -378,8 +380,6 @@ def run(a: argparse.Namespace) -> dict:
     bad = [r for r in routers if r not in ROUTERS]
     if bad:
         raise ValueError(f"routers: {bad} not among {', '.join(ROUTERS)}")
-    if a.arrival_rate is not None and not a.arrival_rate > 0:
-        raise ValueError(f"--arrival-rate must be positive, got {a.arrival_rate}")
     kw = {**engine_kwargs(a), "skip_tokenizer_init": True}
     vocab = a.vocab_size or model_vocab_size(kw)
     wl = make_workload(a, vocab)
