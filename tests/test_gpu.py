@@ -328,6 +328,7 @@ def test_disaggregated_prefill_moves_blocks_by_cuda_ipc(folder):
     assert r["transferred_bytes"] == blocks * block_bytes
     decode = stats["engines"][0]
     assert decode["adopt_copy_bytes"] == blocks * block_bytes and decode["adopt_copy_s"] > 0
+    assert decode["adopt_warm_copies"] == 4  # one read that wakes the link per hand-over
 
 
 def test_timed_copies_order_the_callers_stream_after_the_copy():

@@ -301,8 +301,13 @@ def summarize(records: list[dict], wall: float, router: dict, engines: list[dict
                     row["seconds"] += t
             for row in by_size.values():
                 row["gb_s"] = row["bytes"] / 1e9 / row["seconds"] if row["seconds"] else None
+            warm_b = sum(e.get("adopt_warm_bytes", 0) for e in engines)
+            warm_s = sum(e.get("adopt_warm_s", 0.0) for e in engines)
             res["transfer"].update(device_copy_gb=copied / 1e9, device_copy_s=copy_s,
-                                   device_copy_gb_s=copied / 1e9 / copy_s, device_copies_by_size=by_size)
+                                   device_copy_gb_s=copied / 1e9 / copy_s, device_copies_by_size=by_size,
+                                   warm_reads=sum(e.get("adopt_warm_copies", 0) for e in engines),
+                                   warm_s=warm_s,
+                                   device_copy_gb_s_with_warm=(copied + warm_b) / 1e9 / (copy_s + warm_s))
     return res
 
 
@@ -354,7 +359,8 @@ def table(runs: list[dict], peer: dict | None) -> str:
             xfer = "-"
         elif t["gb_s"] is not None:
             xfer = (f"{t['blocks']} blocks, {t['gb']:.3f} GB; hand-over {t['handover_ms_mean']:.1f} ms mean"
-                    + (f"; device copies {t['device_copy_gb_s']:.1f} GB/s" if "device_copy_gb_s" in t else ""))
+                    + (f"; device copies {t['device_copy_gb_s']:.1f} GB/s, {t['device_copy_gb_s_with_warm']:.1f} "
+                       f"with the {t['warm_reads']} link-waking reads" if "device_copy_gb_s" in t else ""))
         else:
             xfer = f"{t['blocks']} blocks in {t['seconds']:.2f} s"
         imb = "-" if r["imbalance"] is None else f"{r['imbalance']:.2f}"

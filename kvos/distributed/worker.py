@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.pins import PinInfo
@@ -106,13 +106,21 @@ class EngineWorker:
         blocks of these hashes that the cache holds are kept (referenced) for ``take_export``
         (``on_device``: read as ``DeviceRows`` for a process of this host). ``received``
         (on a decode engine): blocks another engine exported, stored first: device rows are
-        copied into this engine's pool between steps, just before the request is queued; host
+        opened at once, with a small read that wakes the link (``LLMEngine.warm_adoption``),
+        and copied into this engine's pool between steps, just before the request is queued; host
         rows go into the transfer tier. Returns how many blocks were stored."""
         stored = 0
         if received is not None and received.hashes and not isinstance(received.rows, DeviceRows):
             assert self.engine.offload is not None, "host rows need a transfer tier (kv_transfer_gb)"
             stored = self.engine.offload.receive(received.hashes, received.rows)
             received = None
+        elif received is not None and received.hashes:  # opened here to wake the link before the step boundary
+            try:
+                received = replace(received, rows=received.rows.open())
+                self.engine.warm_adoption(received.rows)
+            except Exception:  # the request computes the blocks itself
+                log.exception("%s: opening %s's blocks failed", self.engine_id, request_id)
+                received = None
         done = threading.Event()
         box: list = [None, 0]
         with self._lock:
@@ -211,8 +219,7 @@ class EngineWorker:
                 rid, ids, params, priority, salt, export, on_device, received = arg
                 if received is not None and received.hashes:
                     try:
-                        box[1] = e.adopt_blocks(received.hashes, received.parent, received.rows.open(),
-                                                received.depth)
+                        box[1] = e.adopt_blocks(received.hashes, received.parent, received.rows, received.depth)
                     except Exception:  # the request computes the blocks itself
                         log.exception("%s: receiving %s's blocks failed", self.engine_id, rid)
                 try:

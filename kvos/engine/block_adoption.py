@@ -25,7 +25,7 @@ class BlockAdopter:
     def __init__(self, kv: KVCacheManager, runner: ModelRunner) -> None:
         self.kv = kv
         self.runner = runner
-        self._copies: TimedCopies | None = None
+        self._copies = TimedCopies(runner.device) if runner.device.type == "cuda" else None
         self.blocks = 0
         self.bytes = 0
 
@@ -42,9 +42,7 @@ class BlockAdopter:
             return 0
         blocks = pool.get_new_blocks(len(todo))
         span = rows[todo[0]: todo[-1] + 1]
-        if rows.device.type == "cuda":  # one peer DMA of the span beside the steps, then a local scatter
-            if self._copies is None:
-                self._copies = TimedCopies(self.runner.device)
+        if self._copies is not None and rows.device.type == "cuda":  # one peer DMA beside the steps, then a local scatter
             span = self._copies.copy(span)
         local = [i - todo[0] for i in todo]
         self.runner.write_blocks([b.block_id for b in blocks], span if len(local) == len(span) else span[local])
@@ -59,6 +57,16 @@ class BlockAdopter:
         pool.free_blocks(reversed(blocks))
         return len(blocks)
 
+    def warm(self, rows: torch.Tensor) -> None:
+        """Any thread, as soon as another GPU's ``rows`` arrive (before ``adopt`` at the next
+        step boundary): wake the peer link with a small read of them (``TimedCopies.warm``)."""
+        if self._copies is not None and rows.device.type == "cuda":
+            self._copies.warm(rows)
+
+    @property
+    def used(self) -> bool:
+        return self.blocks > 0 or (self._copies is not None and self._copies.warm_copies > 0)
+
     @property
     def busy(self) -> bool:
         return self._copies is not None and self._copies.busy
@@ -70,8 +78,11 @@ class BlockAdopter:
 
     def stats(self) -> dict:
         """``adopt_copy_bytes / adopt_copy_s``: the peer copies' rate over the link (device time
-        of the copies alone, not the local scatter after them)."""
+        of the copies alone, not the local scatter after them); ``adopt_warm_*``: the reads
+        that woke the link ahead of them."""
         c = self._copies
         return {"adopted_blocks": self.blocks, "adopted_bytes": self.bytes,
                 "adopt_copy_bytes": c.bytes if c else 0, "adopt_copy_s": c.seconds if c else 0.0,
-                "adopt_copies_by_size": dict(c.by_size) if c else {}}
+                "adopt_copies_by_size": dict(c.by_size) if c else {},
+                "adopt_warm_copies": c.warm_copies if c else 0, "adopt_warm_bytes": c.warm_bytes if c else 0,
+                "adopt_warm_s": c.warm_seconds if c else 0.0}

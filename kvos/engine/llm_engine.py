@@ -170,7 +170,7 @@ class LLMEngine:
                                         config.tier_verify == "auto" and self.runner.device.type == "cuda"))
         self.offload = (OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler, config.tier_lookahead)
                         if hierarchy else None)
-        self._adopter: BlockAdopter | None = None
+        self._adopter = BlockAdopter(self.kv, self.runner)
         if config.preemption_mode == "swap":
             self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))
         self._groups: dict[str, _Group] = {}
@@ -328,7 +328,7 @@ class LLMEngine:
     def _step(self, final_only: bool) -> list[RequestOutput]:
         if self.offload is not None:
             self.offload.install_ready()
-        if self._adopter is not None and self._adopter.busy:
+        if self._adopter.busy:
             self._adopter.collect()
         if self.pins is not None and self.pins.pins:
             self.pins.expire(time.monotonic())
@@ -435,7 +435,7 @@ class LLMEngine:
              "batched_tokens": self.batched_tokens}
         if self.offload is not None:
             s["tiers"] = self.offload.h.usage()
-        if self._adopter is not None:
+        if self._adopter.used:
             s.update(self._adopter.stats())
         return s
 
@@ -445,9 +445,12 @@ class LLMEngine:
     def adopt_blocks(self, hashes: list[BlockHash], parent: BlockHash | None, rows: torch.Tensor,
                      depth: int = 0) -> int:
         """Cache blocks another engine computed (``BlockAdopter.adopt``); between steps only."""
-        if self._adopter is None:
-            self._adopter = BlockAdopter(self.kv, self.runner)
         return self._adopter.adopt(hashes, parent, rows, depth)
+
+    def warm_adoption(self, rows: torch.Tensor) -> None:
+        """Any thread: rows that ``adopt_blocks`` will copy from another GPU have arrived; wake
+        the link now (``BlockAdopter.warm``)."""
+        self._adopter.warm(rows)
 
     def drain_kv_events(self) -> KVEventBatch | None:
         """The prefix cache's events since the last call as the next numbered batch (None if

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -37,6 +38,10 @@ class TimedCopies:
     SIZE_CLASSES = (0, 4, 16, 64, 256)
     LEAD_CYCLES = 100_000
     """GPU clock cycles the side stream spins before each copy's first event."""
+    WARM_BYTES = 1 << 20
+    """What ``warm`` reads. On 2 x H200, a 16 MiB peer copy that follows 50 ms or more without
+    one takes about 220 us instead of 50; a 1 MiB peer copy 1 ms ahead brings it back to 50,
+    a 4 KiB one does not (``benchmarks/scripts/peer_copy_idle_causes.py``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -51,6 +56,27 @@ class TimedCopies:
         one's two events)."""
         self.by_size: dict[str, list] = {}
         """The same three figures per size class (``SIZE_CLASSES``: at least that many MiB)."""
+        self._warm_lock = threading.Lock()
+        self._warming: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor]] = []
+        self._warm_dst: torch.Tensor | None = None
+        self.warm_copies = 0
+        self.warm_bytes = 0
+        self.warm_seconds = 0.0
+        """The collected ``warm`` reads, timed on the device like the copies but counted apart."""
+
+    def warm(self, src: torch.Tensor) -> None:
+        """Any thread: queue a read of ``src``'s first ``WARM_BYTES`` on the side stream now (timed
+        like a copy), so that a ``copy`` queued later finds the peer link awake. Same safety rule
+        as ``copy`` (``src`` complete and readable from ``device``); ``src`` stays referenced
+        until the read has run (``collect``). The read comes before any later copy on the stream."""
+        flat = src.reshape(-1).view(torch.uint8)
+        n = min(self.WARM_BYTES, flat.numel())
+        with torch.cuda.device(self.device), self._warm_lock:
+            if self._warm_dst is None:
+                self._warm_dst = torch.empty(self.WARM_BYTES, dtype=torch.uint8, device=self.device)
+            start, end = self._new_events()
+            self._queue(self._warm_dst[:n], flat[:n], n, start, end)
+            self._warming.append((start, end, src))
 
     def copy(self, src: torch.Tensor) -> torch.Tensor:
         """A copy of ``src`` (contiguous) in new memory of ``device``; the caller's current stream
@@ -60,9 +86,18 @@ class TimedCopies:
         main = torch.cuda.current_stream(self.device)
         start, end = self._events()
         nbytes = src.numel() * src.element_size()
-        lib = self._lib
         with torch.cuda.stream(self.stream):
             dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        self._queue(dst, src, nbytes, start, end)
+        main.wait_event(end)
+        dst.record_stream(main)
+        self._running.append((start, end, src))
+        return dst
+
+    def _queue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, start: torch.cuda.Event,
+               end: torch.cuda.Event) -> None:
+        """Spin, ``start``, the copy, ``end`` on the side stream (the class docstring's rule)."""
+        lib = self._lib
         if lib is not None:
             s, e0, e1 = (ctypes.c_void_p(h) for h in (self.stream.cuda_stream, start.cuda_event, end.cuda_event))
             to, frm = dst.data_ptr(), src.data_ptr()
@@ -75,14 +110,12 @@ class TimedCopies:
                 start.record()
                 dst.copy_(src)
                 end.record()
-        main.wait_event(end)
-        dst.record_stream(main)
-        self._running.append((start, end, src))
-        return dst
 
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        if self._idle:
-            return self._idle.pop()
+        """Stepping thread (``copy``'s) only: a pair from the ones ``collect`` gave back."""
+        return self._idle.pop() if self._idle else self._new_events()
+
+    def _new_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for e in pair:  # torch creates an event at its first record
             e.record(self.stream)
@@ -90,10 +123,16 @@ class TimedCopies:
 
     @property
     def busy(self) -> bool:
-        return bool(self._running)
+        return bool(self._running) or bool(self._warming)
 
     def collect(self) -> None:
-        """Account and release the copies that have run (in the order they were queued)."""
+        """Account and release the copies and warm reads that have run (in queue order)."""
+        with self._warm_lock:
+            while self._warming and self._warming[0][1].query():
+                start, end, src = self._warming.pop(0)
+                self.warm_copies += 1
+                self.warm_bytes += min(self.WARM_BYTES, src.numel() * src.element_size())
+                self.warm_seconds += start.elapsed_time(end) / 1000
         while self._running and self._running[0][1].query():
             start, end, src = self._running.pop(0)
             nbytes, seconds = src.numel() * src.element_size(), start.elapsed_time(end) / 1000
