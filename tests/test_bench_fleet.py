@@ -1,6 +1,6 @@
-"""The fleet bench's workload parts that need no engine: open-loop arrival times and the
-one-unbounded-cache bound its hit rates are held against (the engines' runs are GPU benchmarks
-and a CPU run in benchmarks/README.md)."""
+"""The fleet bench: its workload parts that need no engine (open-loop arrival times, the
+one-unbounded-cache bound its hit rates are held against), and one small run of two real engine
+processes on the CPU (the full runs are in benchmarks/README.md)."""
 from __future__ import annotations
 
 import statistics
@@ -45,3 +45,26 @@ def test_prefix_bound_counts_full_blocks_sent_before():
     assert bound.hit_tokens(again) == 8
     # a block differing in one token breaks the chain from there on
     assert bound.hit_tokens([100, 101, 102, 999] + system[4:]) == 0
+
+
+def test_fleet_bench_runs_two_real_engines_open_loop(tmp_path, capsys):
+    """``kvos bench fleet`` end to end on the default model: two engine processes behind
+    kv_aware, open-loop arrivals, a second turn that extends the first. Every request is routed
+    and reported, and the engines' hit rate is positive but never above what one unbounded cache
+    hits with the same arrivals."""
+    import json
+
+    from kvos.cli import main
+
+    out = tmp_path / "fleet.json"
+    rc = main(["bench", "fleet", "--conversations", "3", "--turns", "2", "--system-prompts", "1",
+               "--system-len", "48", "--user-len", "8", "--max-tokens", "3", "--arrival-rate", "4",
+               "--data-parallel", "2", "--routers", "kv_aware", "--num-blocks", "64", "--output", str(out)])
+    assert rc == 0
+    assert "| 2 x DP kv_aware |" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["machine"]["cores"] >= 1 and res["args"]["arrival_rate"] == 4
+    (run,) = res["runs"]
+    assert run["requests"] == 6 and sum(run["router"]["routed"]) == 6 and len(run["records"]) == 6
+    assert run["output_tokens"] == 6 * 3
+    assert 0 < run["hit_rate"] <= run["hit_rate_bound"] + 1e-9
