@@ -22,6 +22,7 @@ def server():
     s = Server("--transport", "process", "--max-model-len", "1024", "--num-blocks", "256").wait_ready(timeout=600)
     yield s
     assert s.stop() == 0
+    assert "did not stop" not in s.output()  # the engine processes shut down when asked, not killed
 
 
 def test_outputs_equal_the_in_process_engine(server, llm):

@@ -129,6 +129,8 @@ def _serve_engine(conn, kwargs: dict, index: int, threads: int, gpu: str | None,
             call_id, method, args = conn.recv()
         except (EOFError, OSError):
             break
+        if method is None:  # ``_Process.stop``
+            break
         pool.submit(run, call_id, method, args)
     worker.shutdown()
     os._exit(0)
@@ -149,11 +151,14 @@ class _Process:
         self.pending: dict[int, Future] = {}
         self.ids = itertools.count(1)
         self.alive = True
-        started: Future = Future()
-        self.pending[0] = started
+        self.pending_start: Future = Future()
+        self.pending[0] = self.pending_start
         self.reader = threading.Thread(target=self._read, name=f"kvos-engine-{index}-reader", daemon=True)
         self.reader.start()
-        started.result()  # raises if the engine failed to start
+
+    def wait_started(self) -> None:
+        """Block until the engine is built; raises if it failed to start."""
+        self.pending_start.result()
 
     def call(self, method: str, args: tuple) -> Future:
         fut: Future = Future()
@@ -189,13 +194,18 @@ class _Process:
                 fut.set_exception(EngineDied(f"engine {self.index} exited (code {self.proc.exitcode})"))
 
     def stop(self, timeout: float = 10.0) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        """Ask the engine process to shut down and wait up to ``timeout`` for it, then kill it.
+        (Closing the pipe alone would not reach the child while ``reader`` is blocked reading
+        it: the socket stays open until that read returns.)"""
+        with self.lock, contextlib.suppress(OSError, ValueError):
+            self.conn.send((0, None, ()))
         self.proc.join(timeout)
         if self.proc.is_alive():
+            log.warning("engine %d did not stop within %.0f s; killed", self.index, timeout)
             self.proc.kill()
+            self.proc.join(timeout)
+        with contextlib.suppress(OSError):
+            self.conn.close()
 
 
 class ProcessEngines:
@@ -217,6 +227,12 @@ class ProcessEngines:
         self._threads = max(1, (os.cpu_count() or 1) // n)
         self._restarts = [max_restarts] * n
         self.procs = [_Process(self._ctx, kwargs[i], i, self._threads, self._gpu[i]) for i in range(n)]
+        try:  # built side by side
+            for p in self.procs:
+                p.wait_started()
+        except BaseException:
+            self.shutdown()
+            raise
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -240,8 +256,9 @@ class ProcessEngines:
         self._restarts[i] -= 1
         p.stop(1.0)
         try:
-            self.procs[i] = await asyncio.to_thread(_Process, self._ctx, self._kwargs[i], i, self._threads,
-                                                    self._gpu[i])
+            new = await asyncio.to_thread(_Process, self._ctx, self._kwargs[i], i, self._threads, self._gpu[i])
+            await asyncio.to_thread(new.wait_started)
+            self.procs[i] = new
         except Exception:
             log.exception("engine %d: restart failed", i)
             return False
