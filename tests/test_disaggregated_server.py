@@ -30,7 +30,7 @@ def client(server):
 
 
 def test_outputs_equal_one_engine_streamed_or_not(server, client, llm):
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "engines_up": 1}  # decode engines
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "engines_up": 1, "prefill_engines_up": 1}
     prompts = [SYSTEM + "What is a page table? " * 6, SYSTEM + "What does the scheduler do? " * 6]
     refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     before = server.metric("kvos:router_prefills_total")

@@ -432,6 +432,11 @@ class DataParallelEngine:
         is 503 at 0."""
         return sum(not d for d in self.down[: self.num_decode])
 
+    def prefill_engines_up(self) -> int | None:
+        """Prefill engines up (None without disaggregation). At 0 the decode engines compute
+        the prompts themselves, so ``/health`` stays ok."""
+        return None if self.prefill_router is None else sum(not d for d in self.down[self.num_decode:])
+
     def stats(self) -> dict:
         """The engines' figures summed (numbers at the top level), each engine's own under
         ``engines``, and the router's under ``router``."""

@@ -202,7 +202,10 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         engines = getattr(state.async_engine, "engines_up", None)  # a data-parallel front end
         up = engines() if engines is not None else None
         if state.ready and not state.draining and up != 0:
-            return {"status": "ok"} if up is None else {"status": "ok", "engines_up": up}
+            if up is None:
+                return {"status": "ok"}
+            prefill = state.async_engine.prefill_engines_up()
+            return {"status": "ok", "engines_up": up, **({} if prefill is None else {"prefill_engines_up": prefill})}
         status = "draining" if state.draining else "warming_up" if not state.ready else "no_engine"
         return JSONResponse({"status": status}, status_code=503)
 
