@@ -13,7 +13,8 @@ HEAVIEST_FILES = [
     "test_gemma3_engine.py", "test_data_parallel.py", "test_cache_invariance.py", "test_triton_engine_cpu.py",
     "test_tiers.py", "test_server.py", "test_kv_quant.py", "test_simulator.py", "test_hf_parity.py",
     "test_gemma3_model.py", "test_bench_serve.py", "test_gemma3_server.py", "test_async_scheduling.py",
-    "test_disaggregated.py", "test_stop_streaming.py", "test_engine.py", "test_bench_policies.py",
+    "test_disaggregated.py", "test_disaggregated_server.py", "test_stop_streaming.py", "test_engine.py",
+    "test_bench_policies.py", "test_bench_fleet.py",
 ]
 """Test files by their time on the 2-core VM (2026-11-28, ``--durations``), heaviest first."""
 
