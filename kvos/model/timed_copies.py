@@ -57,7 +57,7 @@ class TimedCopies:
         self.by_size: dict[str, list] = {}
         """The same three figures per size class (``SIZE_CLASSES``: at least that many MiB)."""
         self._warm_lock = threading.Lock()
-        self._warming: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor]] = []
+        self._warming: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor, int]] = []
         self._warm_dst: torch.Tensor | None = None
         self.warm_copies = 0
         self.warm_bytes = 0
@@ -76,7 +76,7 @@ class TimedCopies:
                 self._warm_dst = torch.empty(self.WARM_BYTES, dtype=torch.uint8, device=self.device)
             start, end = self._new_events()
             self._queue(self._warm_dst[:n], flat[:n], n, start, end)
-            self._warming.append((start, end, src))
+            self._warming.append((start, end, src, n))
 
     def copy(self, src: torch.Tensor) -> torch.Tensor:
         """A copy of ``src`` (contiguous) in new memory of ``device``; the caller's current stream
@@ -129,9 +129,9 @@ class TimedCopies:
         """Account and release the copies and warm reads that have run (in queue order)."""
         with self._warm_lock:
             while self._warming and self._warming[0][1].query():
-                start, end, src = self._warming.pop(0)
+                start, end, _, n = self._warming.pop(0)
                 self.warm_copies += 1
-                self.warm_bytes += min(self.WARM_BYTES, src.numel() * src.element_size())
+                self.warm_bytes += n
                 self.warm_seconds += start.elapsed_time(end) / 1000
         while self._running and self._running[0][1].query():
             start, end, src = self._running.pop(0)
