@@ -60,7 +60,7 @@ def test_engine_on_gpu_matches_transformers(folder, dtype):
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
         ref_tokens, ref_logits = hf_greedy(hf, p, 16)
-        ref_logits = [x.float() for x in ref_logits]
+        ref_logits = [x.float().cuda() for x in ref_logits]  # (hf_greedy returns them on the CPU)
         if dtype == "float32":
             assert o.outputs[0].token_ids == ref_tokens
         # the first step's logits (same prefix for both, whatever later tokens do)

@@ -305,6 +305,8 @@ def summarize(records: list[dict], wall: float, router: dict, engines: list[dict
             warm_s = sum(e.get("adopt_warm_s", 0.0) for e in engines)
             res["transfer"].update(device_copy_gb=copied / 1e9, device_copy_s=copy_s,
                                    device_copy_gb_s=copied / 1e9 / copy_s, device_copies_by_size=by_size,
+                                   device_copy_gb_s_spread=[e.get("adopt_copy_gb_s_spread", {}) for e in engines
+                                                            if e.get("adopt_copy_bytes")],
                                    warm_reads=sum(e.get("adopt_warm_copies", 0) for e in engines),
                                    warm_s=warm_s,
                                    device_copy_gb_s_with_warm=(copied + warm_b) / 1e9 / (copy_s + warm_s))

@@ -78,11 +78,19 @@ class BlockAdopter:
 
     def stats(self) -> dict:
         """``adopt_copy_bytes / adopt_copy_s``: the peer copies' rate over the link (device time
-        of the copies alone, not the local scatter after them); ``adopt_warm_*``: the reads
-        that woke the link ahead of them."""
+        of the copies alone, not the local scatter after them), and per size class the spread of
+        the copies' own rates (``_spread``); ``adopt_warm_*``: the reads that woke the link
+        ahead of them."""
         c = self._copies
         return {"adopted_blocks": self.blocks, "adopted_bytes": self.bytes,
                 "adopt_copy_bytes": c.bytes if c else 0, "adopt_copy_s": c.seconds if c else 0.0,
                 "adopt_copies_by_size": dict(c.by_size) if c else {},
+                "adopt_copy_gb_s_spread": {k: _spread(v) for k, v in c.rates.items()} if c else {},
                 "adopt_warm_copies": c.warm_copies if c else 0, "adopt_warm_bytes": c.warm_bytes if c else 0,
                 "adopt_warm_s": c.warm_seconds if c else 0.0}
+
+
+def _spread(rates: list[float]) -> dict:
+    """p10 / p50 / p90 of per-copy GB/s (nearest rank)."""
+    r = sorted(rates)
+    return {f"p{q}": r[min(len(r) - 1, len(r) * q // 100)] for q in (10, 50, 90)} if r else {}

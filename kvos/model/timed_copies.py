@@ -36,12 +36,14 @@ class TimedCopies:
     """
 
     SIZE_CLASSES = (0, 4, 16, 64, 256)
+    KEEP_RATES = 100_000
     LEAD_CYCLES = 100_000
     """GPU clock cycles the side stream spins before each copy's first event."""
     WARM_BYTES = 1 << 20
-    """What ``warm`` reads. On 2 x H200, a 16 MiB peer copy that follows 50 ms or more without
-    one takes about 220 us instead of 50; a 1 MiB peer copy 1 ms ahead brings it back to 50,
-    a 4 KiB one does not (``benchmarks/scripts/peer_copy_idle_causes.py``)."""
+    """What ``warm`` reads. On 2 x H200, a 16 MiB peer copy that follows 15-40 ms without one
+    takes about 120 us instead of 50, and about 220 us after 50 ms or more; a 1 MiB peer copy
+    1 ms ahead brings it back to 50, a 4 KiB one does not
+    (``benchmarks/scripts/peer_copy_idle_causes.py``, ``peer_copy_split.py``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -56,6 +58,8 @@ class TimedCopies:
         one's two events)."""
         self.by_size: dict[str, list] = {}
         """The same three figures per size class (``SIZE_CLASSES``: at least that many MiB)."""
+        self.rates: dict[str, list[float]] = {}
+        """Each collected copy's GB/s, per size class (the last ``KEEP_RATES`` of each)."""
         self._warm_lock = threading.Lock()
         self._warming: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor, int]] = []
         self._warm_dst: torch.Tensor | None = None
@@ -144,4 +148,7 @@ class TimedCopies:
             row[0] += 1
             row[1] += nbytes
             row[2] += seconds
+            rates = self.rates.setdefault(f">={mib}MiB", [])
+            if len(rates) < self.KEEP_RATES:
+                rates.append(nbytes / 1e9 / seconds if seconds > 0 else float("inf"))
             self._idle.append((start, end))
