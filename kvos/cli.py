@@ -236,7 +236,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         EngineConfig(**kwargs)  # bad options fail here, before any actor starts
         engine = DataParallelEngine(kwargs, (a.decode_engines or 1) if a.prefill_engines else a.data_parallel,
                                     a.router, a.ray_address, a.kv_weight, prefill_engines=a.prefill_engines or 0,
-                                    transport=transport)
+                                    transport=transport, router_balance=a.router_balance)
         model_path = (resolve_config_path if kwargs.get("random_weights") else resolve_model_path)(kwargs["model"])
     else:
         engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
@@ -304,7 +304,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvos`` parser, every subcommand (each sets ``fn``, the function that runs it)."""
-    from kvos.router.policies import DEFAULT_KV_WEIGHT
+    from kvos.router.policies import DEFAULT_KV_WEIGHT, add_router_balance_arg
 
     p = argparse.ArgumentParser(prog="kvos", description="LLM inference with the KV cache as virtual memory")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -355,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT,
                     help="kv_aware/approx: weight of the prefill an engine would do (prompt blocks it lacks plus "
                          "a quarter of its queued prefill) against its active decode blocks")
+    add_router_balance_arg(dp)
     dp.add_argument("--prefill-engines", type=_positive(int), default=None, metavar="P",
                     help="disaggregated prefill: P engines compute prompts and send their KV blocks to the decode "
                          "engines (--decode-engines), which generate")

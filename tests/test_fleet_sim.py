@@ -98,6 +98,45 @@ def test_kv_aware_prefers_the_longest_cached_prefix_and_trades_it_against_load()
     assert r.predicted_hits(1, req) == 0 and r.choose(req, [IDLE] * 3) == 2
 
 
+def test_kv_aware_balance_guard_leaves_out_engines_loaded_past_both_thresholds():
+    req = hashes_of(list(range(12)))
+    r = KVAware(3, block_size=4, balance_abs=8, balance_rel=1.5)
+    assert r.on_events(0, stored(0, 1, req))  # only engine 0 holds the prompt
+
+    def running(*n: int) -> list[EngineLoad]:
+        return [EngineLoad(running=x) for x in n]
+
+    assert r.choose(req, running(12, 4, 5)) == 0  # 8 over the least: not more than 8
+    assert r.choose(req, running(13, 4, 5)) == 1  # 9 over and 3.25x: left out; 1 and 2 cost the same
+    assert r.balanced([0, 1, 2], running(13, 4, 5)) == [1, 2]
+    assert r.choose(req, running(30, 21, 40)) == 0  # 9 over 21 but only 1.43x
+    assert r.balanced([0, 1, 2], running(30, 21, 40)) == [0, 1]  # 40 is 19 over and 1.9x
+    assert r.choose(req, [EngineLoad(waiting=10, running=3), EngineLoad(running=4), IDLE]) == 1  # waiting counts
+    r.balance_rel = 0.0  # off: the prompt's blocks win however loaded engine 0 is
+    assert r.choose(req, running(100, 0, 0)) == 0
+    with pytest.raises(ValueError, match="balance_rel"):
+        KVAware(2, balance_rel=0.5)
+    with pytest.raises(ValueError, match="balance_abs"):
+        KVAware(2, balance_abs=-1)
+
+
+def test_balance_guard_spreads_hot_prefixes_that_first_landed_three_to_one():
+    """4 shared system prompts whose first requests land 3 to 1 on two engines (the second
+    prompt's first request finds engine 0 idle, the last two find engine 1 busy), then 400
+    requests cycling over the 4 prompts, 20 ms apart; pools hold everything. Without the guard
+    each prompt stays where it was first computed; with it, the loaded engine's prompts get a
+    copy on the other, for one prefill each."""
+    firsts = [TraceRequest(t, 416, 64, segments=[(i, 384), (1000 + i, 32)]) for i, t in enumerate([0, 1.0, 1.2, 1.25])]
+    rest = [TraceRequest(2.5 + 0.02 * k, 416, 64, segments=[(k % 4, 384), (2000 + k, 32)]) for k in range(400)]
+    cfg = SimConfig(block_size=16, num_blocks=None)
+    off = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware", balance=(8, 0.0)).run()
+    on = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware").run()
+    assert off["requests_per_engine"] == [303, 101]  # the case the guard is for
+    assert on["imbalance_requests"] <= 1.05
+    bound = len(rest) * 24 / (len(firsts + rest) * 26)  # one unbounded cache: 24 of 26 blocks after each first
+    assert on["block_hit_rate"] >= off["block_hit_rate"] - 0.005 and on["block_hit_rate"] <= bound + 1e-9
+
+
 def test_kv_aware_marks_a_gap_stale_until_a_snapshot():
     req = hashes_of(list(range(8)))
     r = KVAware(2, block_size=4)
@@ -247,8 +286,9 @@ def kvos(*args: str) -> str:
 def test_cli_simulate_two_engines():
     args = ["simulate", "--trace", str(DATA / "mooncake_conversation.jsonl.gz"), "--limit", "120",
             "--block-size", "512", "--cache-blocks", "400", "--engines", "2", "--router", "kv_aware"]
-    out = json.loads(kvos(*args, "--json", "--kv-weight", "2"))
+    out = json.loads(kvos(*args, "--json", "--kv-weight", "2", "--router-balance", "5,2"))
     assert out["num_engines"] == 2 and out["router"] == "kv_aware" and out["overlap_weight"] == 2.0
+    assert out["balance"] == [5, 2.0]
     assert sum(out["requests_per_engine"]) == 120 and 0 < out["block_hit_rate"] < 1
     text = kvos(*args)
     assert "imbalance" in text and "predicted hits" in text

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvos.bench.serve import percentiles
-from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS
+from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS, add_router_balance_arg
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routers", default="kv_aware,round_robin,least_loaded",
                    help=f"comma-separated, one run each (of {', '.join(ROUTERS)})")
     p.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT, help="kv_aware/approx weight")
+    add_router_balance_arg(p)
     p.add_argument("--prefill-decode", action="store_true",
                    help="one more run: 1 prefill engine + 1 decode engine (kv_aware)")
     p.add_argument("--transport", default="process", choices=["process", "ray"])
@@ -241,7 +242,7 @@ async def run_fleet(kw: dict, wl: Workload, a: argparse.Namespace, router: str, 
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     dp = DataParallelEngine(kw, num_engines, router, kv_weight=a.kv_weight, prefill_engines=prefill_engines,
-                            transport=a.transport)
+                            transport=a.transport, router_balance=a.router_balance)
     startup = time.perf_counter() - t0
     dp.start()
     try:
@@ -401,7 +402,7 @@ def run(a: argparse.Namespace) -> dict:
         print(f"  {r['output_tok_s']:,.1f} output tok/s, hit rate {r['hit_rate']:.1%}, "
               f"TTFT p50 {r['ttft_s']['p50'] * 1e3:,.1f} ms", flush=True)
     print(table(runs, peer))
-    args = {k: v for k, v in vars(a).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    args = {k: v for k, v in vars(a).items() if isinstance(v, (str, int, float, bool, list, tuple, type(None)))}
     summary = {r["label"]: {"output_tok_s": round(r["output_tok_s"], 1), "hit_rate": round(r["hit_rate"], 4),
                             "ttft_p50_ms": round(r["ttft_s"]["p50"] * 1e3, 1),
                             "ttft_p90_ms": round(r["ttft_s"]["p90"] * 1e3, 1),

@@ -15,7 +15,7 @@ from kvos.distributed.engines import TRANSPORTS, EngineDied, ProcessEngines, Ray
 from kvos.distributed.output_delta import OutputAccumulator
 from kvos.distributed.worker import EngineInfo, PollResult
 from kvos.engine.sampling_params import SamplingParams
-from kvos.router.policies import DEFAULT_KV_WEIGHT, EngineLoad, Router, make_router
+from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, EngineLoad, Router, make_router
 from kvos.serve.async_engine import EngineStopped, EngineUnavailable, RequestStream, _Stream
 
 log = logging.getLogger("kvos.distributed")
@@ -91,7 +91,8 @@ class DataParallelEngine:
 
     def __init__(self, engine_kwargs: dict, num_engines: int, router: str = "kv_aware",
                  address: str | None = None, kv_weight: float = DEFAULT_KV_WEIGHT, max_restarts: int = 3,
-                 poll_s: float = 0.2, prefill_engines: int = 0, transport: str = "ray") -> None:
+                 poll_s: float = 0.2, prefill_engines: int = 0, transport: str = "ray",
+                 router_balance: tuple[int, float] = DEFAULT_BALANCE) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_engines < 1:
@@ -124,8 +125,8 @@ class DataParallelEngine:
         self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]
         capacity = max(1, self.engine_stats[0].get("total") or 2000)  # approx remembers a pool's worth
         self.num_decode = num_engines
-        self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity_blocks=capacity)
-        self.prefill_router = (make_router(router, prefill_engines, self.block_size, kv_weight, capacity_blocks=capacity)
+        self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity, router_balance)
+        self.prefill_router = (make_router(router, prefill_engines, self.block_size, kv_weight, capacity, router_balance)
                                if prefill_engines else None)
         self.loads = [EngineLoad() for _ in range(total)]
         self.down = [False] * total

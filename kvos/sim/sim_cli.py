@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from kvos.cache.eviction import POLICIES
-from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS
+from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS, add_router_balance_arg
 from kvos.sim.tier import SimTierConfig
 
 EXAMPLES = """examples:
@@ -99,6 +99,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT,
                    help="kv_aware/approx overlap weight: cost = weight * (queued / 4 + uncached prompt blocks) + "
                         "active blocks")
+    add_router_balance_arg(f)
     f.add_argument("--approx-blocks", type=int, default=None,
                    help="approx: prompt blocks remembered per engine (default: the engine's pool size)")
     o = p.add_argument_group("output")
@@ -304,7 +305,7 @@ def run(a: argparse.Namespace) -> int:
         from kvos.sim.fleet import FleetSimulator
 
         report = FleetSimulator(trace, cfg, cost, a.engines, a.router, a.kv_weight,
-                                a.approx_blocks).run(progress=a.progress)
+                                a.approx_blocks, a.router_balance).run(progress=a.progress)
         report.pop("ttft_s")
         print(json.dumps(report, indent=2) if a.json else format_fleet_report(report))
     elif a.sweep:
