@@ -168,11 +168,13 @@ def test_prefix_hits_and_preemption_keep_quantized_outputs(make_llm, quant_llms,
     """A request served from cached quantized blocks gives the tokens of the same engine without
     prefix caching. Requests preempted (recompute and swap) in a pool too small for all of them
     run in other batch shapes than without pressure (and recomputed ones rebuild their K/V in a
-    prefill): float32 results that differ in the last bit may round to another 8-bit value, so
-    late tokens at a near-tie may differ; the first 12 of each must not, nor more than a fifth of
-    all (one sequence of the six that leaves the reference at its 13th token already differs in
-    at most 20 of the 192: a tenth; which token sits at a near-tie moves with the host's float
-    rounding), and the pool must end empty."""
+    prefill): float32 results that differ in the last bit may round to another 8-bit value, so a
+    token at a near-tie may differ, and the sequence then goes its own way. So: at most one of the
+    six may leave the reference in its first 12 tokens, and only where the reference's own token
+    led the preempted engine's by under 0.2 nats (a near-tie, not a corrupted block); no more than
+    a fifth of all tokens may differ; and the pool must end empty. (Which token sits at a near-tie
+    moves with the host's float rounding: on one AMD EPYC host, int8 with swapping leaves the
+    reference at token 11 of "Who wrote Romeo and Juliet?"; on others, at token 13 or later.)"""
     uncached = make_llm(kv_cache_dtype=kv_dtype, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
     ref = chat(uncached, EASY[:3], system=SYSTEM)
     llm = quant_llms[kv_dtype]
@@ -182,11 +184,18 @@ def test_prefix_hits_and_preemption_keep_quantized_outputs(make_llm, quant_llms,
     assert first == ref[:1] and [o.outputs[0].token_ids for o in outs] == ref
     assert all(o.num_cached_tokens >= 64 for o in outs)
     long_sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    ref = chat(uncached, EASY, long_sp)
+    ref_outs = uncached.chat([[{"role": "user", "content": q}] for q in EASY],
+                             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2), use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in ref_outs]
     for mode in (("recompute",) if kv_dtype == "fp8_e4m3" else ("swap",)):  # one mode per dtype: time
         small = make_llm(kv_cache_dtype=kv_dtype, num_blocks=10, preemption_mode=mode, enable_prefix_caching=False)
         got = chat(small, EASY, long_sp)
-        assert [g[:12] for g in got] == [r[:12] for r in ref]
+        early = [k for k, (g, r) in enumerate(zip(got, ref)) if g[:12] != r[:12]]
+        assert len(early) <= 1, (got, ref)
+        for k in early:  # a near-tie of the reference, not a corrupted block
+            i = next(i for i, (a, b) in enumerate(zip(got[k], ref[k])) if a != b)
+            lp = {t: getattr(v, "logprob", v) for t, v in ref_outs[k].outputs[0].logprobs[i].items()}
+            assert got[k][i] in lp and lp[ref[k][i]] - lp[got[k][i]] < 0.2, (k, i, got[k][:12], ref[k][:12], lp)
         assert sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) >= 0.8 * long_sp.max_tokens * len(EASY)
         stats = small.stats()
         assert stats["preemptions"] > 0 and stats["used"] == 0
