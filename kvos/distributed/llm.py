@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from kvos.distributed.dp_engine import DataParallelEngine
 from kvos.engine.outputs import RequestOutput
 from kvos.engine.sampling_params import SamplingParams
+from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT
 
 
 class DataParallelLLM:
     """``num_engines`` engines of one model (``engine_kwargs`` are ``LLM``'s keywords) behind
     ``router``; ``prefill_engines`` > 0 adds engines that only prefill (disaggregated).
-    ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray).
+    ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray). ``kv_weight``
+    and ``router_balance``: kv_aware's cost weight and balance guard (``kvos.router.policies``).
 
     The ``DataParallelEngine`` lives on an event loop of its own thread; ``generate`` submits
     every prompt, waits for all, and returns the outputs in prompt order. Call ``shutdown`` (or
@@ -22,9 +24,11 @@ class DataParallelLLM:
     """
 
     def __init__(self, num_engines: int = 2, router: str = "kv_aware", prefill_engines: int = 0,
-                 ray_address: str | None = None, transport: str = "ray", **engine_kwargs) -> None:
-        self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address,
-                                         prefill_engines=prefill_engines, transport=transport)
+                 ray_address: str | None = None, transport: str = "ray", kv_weight: float = DEFAULT_KV_WEIGHT,
+                 router_balance: tuple[int, float] = DEFAULT_BALANCE, **engine_kwargs) -> None:
+        self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address, kv_weight,
+                                         prefill_engines=prefill_engines, transport=transport,
+                                         router_balance=router_balance)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvos-dp-loop", daemon=True)
         self._thread.start()
