@@ -289,6 +289,9 @@ def test_cli_simulate_two_engines():
     out = json.loads(kvos(*args, "--json", "--kv-weight", "2", "--router-balance", "5,2"))
     assert out["num_engines"] == 2 and out["router"] == "kv_aware" and out["overlap_weight"] == 2.0
     assert out["balance"] == [5, 2.0]
+    bad = subprocess.run([sys.executable, "-m", "kvos.cli", *args, "--router-balance", "5,0.5"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--router-balance" in bad.stderr and "REL 0 (off) or >= 1" in bad.stderr
     assert sum(out["requests_per_engine"]) == 120 and 0 < out["block_hit_rate"] < 1
     text = kvos(*args)
     assert "imbalance" in text and "predicted hits" in text

@@ -333,12 +333,17 @@ def make_router(name: str, num_engines: int, block_size: int = 16, overlap_weigh
 
 
 def add_router_balance_arg(p) -> None:
-    """``--router-balance ABS REL`` on an argparse parser (``a.router_balance``: ``(int, float)``)."""
+    """``--router-balance ABS,REL`` on an argparse parser (``a.router_balance``: ``(int, float)``)."""
+    import argparse
+
     def pair(text: str) -> tuple[int, float]:
         parts = text.replace(",", " ").split()
         if len(parts) != 2:
-            raise ValueError("router-balance: give ABS,REL")
-        return int(parts[0]), float(parts[1])
+            raise argparse.ArgumentTypeError(f"give ABS,REL (e.g. 8,2), got {text!r}")
+        abs_, rel = int(parts[0]), float(parts[1])
+        if abs_ < 0 or (rel != 0 and rel < 1):
+            raise argparse.ArgumentTypeError(f"ABS must be >= 0 and REL 0 (off) or >= 1, got {text!r}")
+        return abs_, rel
     p.add_argument("--router-balance", type=pair, default=DEFAULT_BALANCE, metavar="ABS,REL",
                    help="kv_aware/approx balance guard: an engine with more than ABS requests over the least "
                         f"loaded one and over REL times its count is not chosen (default "
