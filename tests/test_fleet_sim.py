@@ -291,7 +291,7 @@ def test_cli_simulate_two_engines():
     assert out["balance"] == [5, 2.0]
     bad = subprocess.run([sys.executable, "-m", "kvos.cli", *args, "--router-balance", "5,0.5"], capture_output=True,
                          text=True, timeout=300)
-    assert bad.returncode == 2 and "--router-balance" in bad.stderr and "REL 0 (off) or >= 1" in bad.stderr
+    assert bad.returncode == 2 and "--router-balance" in bad.stderr and "balance_rel must be 0 (off) or >= 1" in bad.stderr
     assert sum(out["requests_per_engine"]) == 120 and 0 < out["block_hit_rate"] < 1
     text = kvos(*args)
     assert "imbalance" in text and "predicted hits" in text

@@ -59,7 +59,7 @@ class TimedCopies:
         self.by_size: dict[str, list] = {}
         """The same three figures per size class (``SIZE_CLASSES``: at least that many MiB)."""
         self.rates: dict[str, list[float]] = {}
-        """Each collected copy's GB/s, per size class (the last ``KEEP_RATES`` of each)."""
+        """Each collected copy's GB/s, per size class (the first ``KEEP_RATES`` of each)."""
         self._warm_lock = threading.Lock()
         self._warming: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor, int]] = []
         self._warm_dst: torch.Tensor | None = None

@@ -46,6 +46,16 @@ router has such a guard at 64 requests and 1.5x. At 1.5x here the guard also mov
 conversations away from their history in ordinary swings of load (2 x H200, chats of up to
 3,200 tokens: p90 TTFT 106 -> 131 ms); at 2x it did not (98 ms), and it still spread the hot
 prompts."""
+DEFAULT_BALANCE = (DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL)
+
+
+def balance_error(balance_abs: int, balance_rel: float) -> str | None:
+    """What is wrong with a balance guard's thresholds (None: nothing)."""
+    if balance_abs < 0:
+        return f"balance_abs must be >= 0, got {balance_abs}"
+    if balance_rel != 0 and balance_rel < 1:
+        return f"balance_rel must be 0 (off) or >= 1, got {balance_rel}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,10 +208,8 @@ class KVAware(Router):
             raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
         if queue_weight < 0:
             raise ValueError(f"queue_weight must be >= 0, got {queue_weight}")
-        if balance_abs < 0:
-            raise ValueError(f"balance_abs must be >= 0, got {balance_abs}")
-        if balance_rel != 0 and balance_rel < 1:
-            raise ValueError(f"balance_rel must be 0 (off) or >= 1, got {balance_rel}")
+        if (err := balance_error(balance_abs, balance_rel)) is not None:
+            raise ValueError(err)
         self.overlap_weight = overlap_weight
         self.queue_weight = queue_weight
         self.balance_abs = balance_abs
@@ -267,8 +275,7 @@ class Approx(KVAware):
     uses_events = False
 
     def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
-                 capacity_blocks: int = 2000, balance: tuple[int, float] = (DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL)
-                 ) -> None:
+                 capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE) -> None:
         super().__init__(num_engines, block_size, overlap_weight, balance_abs=balance[0], balance_rel=balance[1])
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
@@ -315,9 +322,6 @@ _CLASSES: dict[str, type[Router]] = {"round_robin": RoundRobin, "least_loaded": 
                                      "kv_aware": KVAware, "approx": Approx}
 
 
-DEFAULT_BALANCE = (DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL)
-
-
 def make_router(name: str, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
                 capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE) -> Router:
     """A router by name (``ROUTERS``); ``overlap_weight`` and ``balance`` (the guard's requests
@@ -341,8 +345,8 @@ def add_router_balance_arg(p) -> None:
         if len(parts) != 2:
             raise argparse.ArgumentTypeError(f"give ABS,REL (e.g. 8,2), got {text!r}")
         abs_, rel = int(parts[0]), float(parts[1])
-        if abs_ < 0 or (rel != 0 and rel < 1):
-            raise argparse.ArgumentTypeError(f"ABS must be >= 0 and REL 0 (off) or >= 1, got {text!r}")
+        if (err := balance_error(abs_, rel)) is not None:
+            raise argparse.ArgumentTypeError(err)
         return abs_, rel
     p.add_argument("--router-balance", type=pair, default=DEFAULT_BALANCE, metavar="ABS,REL",
                    help="kv_aware/approx balance guard: an engine with more than ABS requests over the least "
