@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from kvos.bench.job_pool import job_pool
-from kvos.router.policies import ROUTERS
+from kvos.router.policies import DEFAULT_BALANCE, ROUTERS
 
 TRACES = {"conversation": "mooncake_conversation.jsonl.gz", "synthetic": "mooncake_synthetic.jsonl.gz"}
 REFERENCE = "one engine, all the memory"
@@ -166,7 +166,8 @@ def run(a: argparse.Namespace) -> dict:
     print(table(a.trace, rows, blocks, bound))
     report = {"bench": "routing", "machine": machine_info(), "trace": a.trace, "limit": a.limit,
               "num_requests": len(trace), "block_size": 512, "blocks_per_engine": blocks,
-              "model": "llama-3.1-8b", "gpu": "H100-80G", "kv_weights": a.kv_weights, "load": a.load,
+              "model": "llama-3.1-8b", "gpu": "H100-80G", "kv_weights": a.kv_weights, "router_balance": DEFAULT_BALANCE,
+              "load": a.load,
               "per_engine_rps": per_engine_rps, "trace_rps": trace_rps, "time_scales": scales,
               "upper_bound_block_hit_rate": bound, "wall_s": time.perf_counter() - t0,
               "summary": summary, "results": rows}
