@@ -24,8 +24,7 @@ test: install  # the CPU suite: on the CPU even where a GPU is visible (--device
 	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 test-gpu:  # on a CUDA machine whose python3 has torch, triton and transformers (no install step)
-	python3 -m pytest -q tests/test_kernels.py tests/test_kv_quant_kernels.py tests/test_elementwise_kernels.py tests/test_gpu.py tests/test_sampler_distribution.py tests/test_top_p_kernel.py \
-		tests/test_gemma3_model.py
+	python3 -m pytest -q -m gpu
 
 bench: install
 	$(BIN)/kvos bench throughput

@@ -1,6 +1,6 @@
 """kvos: an LLM inference engine built around the KV cache as virtual memory."""
-from kvos.engine.outputs import CompletionOutput, RequestOutput
-from kvos.engine.sampling_params import SamplingParams
+from kvos.core.outputs import CompletionOutput, RequestOutput
+from kvos.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

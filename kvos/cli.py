@@ -2,75 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import sys
-import typing
 
-
-def _on_off(value: str) -> bool:
-    if value not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from 'on', 'off')")
-    return value == "on"
-
-
-def engine_flags(f: dataclasses.Field) -> list[str]:
-    """The option strings of an ``EngineConfig`` field: ``--field-name`` unless its metadata names a
-    "flag", then its "aliases"."""
-    return [f.metadata.get("flag", "--" + f.name.replace("_", "-")), *f.metadata.get("aliases", ())]
-
-
-def engine_dest(f: dataclasses.Field) -> str:
-    """The namespace attribute that holds an ``EngineConfig`` field's value (its name unless that
-    would clash with another option, see ``seed``)."""
-    return f.metadata.get("dest", f.name)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineConfig`` field, generated from the fields (their metadata gives help,
-    choices, the help group and any special spelling); defaults are the dataclass's."""
-    from kvos.config import EngineConfig
-
-    hints = typing.get_type_hints(EngineConfig)
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(EngineConfig):
-        meta = f.metadata
-        title = meta.get("group", "engine")
-        if title not in groups:
-            groups[title] = p.add_argument_group(title)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            raise TypeError(f"EngineConfig.{f.name} needs a default to have a CLI flag")
-        kw: dict = {"dest": engine_dest(f), "default": default, "help": meta.get("help")}
-        tp = hints[f.name]
-        args = typing.get_args(tp)
-        optional = type(None) in args
-        base = next((t for t in args if t is not type(None)), None) if optional and len(args) == 2 else tp
-        if base is bool and not optional:
-            if default is not bool(meta.get("negate")):
-                raise TypeError(f"EngineConfig.{f.name}: a bool flag needs default False (or True with "
-                                f"metadata negate, a --no-... flag)")
-            kw["action"] = "store_false" if meta.get("negate") else "store_true"
-        elif base is bool:  # bool | None: on, off, or not given (None)
-            kw.update(type=_on_off, metavar="{on,off}")
-        elif base in (int, float, str):
-            kw["type"] = base
-            if "choices" in meta:
-                kw["choices"] = list(meta["choices"])
-        else:
-            raise TypeError(f"EngineConfig.{f.name}: no CLI flag for type {tp!r}")
-        groups[title].add_argument(*engine_flags(f), **kw)
-
-
-def engine_kwargs(a: argparse.Namespace) -> dict:
-    """``EngineConfig`` keyword arguments, every field, from flags added by ``add_engine_args``."""
-    from kvos.config import EngineConfig
-
-    return {f.name: getattr(a, engine_dest(f)) for f in dataclasses.fields(EngineConfig)}
+from kvos.config.flags import add_engine_args, engine_kwargs, positive
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -211,10 +147,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvos.config import EngineConfig, resolve_device
+    from kvos.config import EngineConfig
     from kvos.engine.chat import has_chat_template
     from kvos.engine.llm_engine import LLMEngine
     from kvos.serve.app import create_app
+    from kvos.worker.device import resolve_device
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.decode_engines and not a.prefill_engines:
@@ -230,7 +167,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise SystemExit("--transport thread runs one engine; several need ray or process")
     if transport != "thread":
         from kvos.distributed import DataParallelEngine
-        from kvos.model.loader import resolve_config_path, resolve_model_path
+        from kvos.models.loader import resolve_config_path, resolve_model_path
 
         kwargs = engine_kwargs(a)
         EngineConfig(**kwargs)  # bad options fail here, before any actor starts
@@ -261,23 +198,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(tp: type) -> typing.Callable[[str], typing.Any]:
-    """An argparse type: a positive ``tp``."""
-    def parse(value: str):
-        try:
-            v = tp(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not a {tp.__name__}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-        return v
-    return parse
-
-
 def cmd_export_tokenizer(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvos.model.loader import load_tokenizer, resolve_model_path
+    from kvos.models.loader import load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(resolve_model_path(a.model))
     out = Path(a.out_dir)
@@ -333,20 +257,20 @@ def build_parser() -> argparse.ArgumentParser:
     from kvos.serve import defaults as limits
 
     lg = s.add_argument_group("limits and shutdown")
-    lg.add_argument("--max-request-bytes", type=_positive(int), default=limits.DEFAULT_MAX_REQUEST_BYTES,
+    lg.add_argument("--max-request-bytes", type=positive(int), default=limits.DEFAULT_MAX_REQUEST_BYTES,
                     help="request bodies larger than this get 413 before they are parsed (default: 8 MiB)")
-    lg.add_argument("--max-header-bytes", type=_positive(int), default=limits.DEFAULT_MAX_HEADER_BYTES,
+    lg.add_argument("--max-header-bytes", type=positive(int), default=limits.DEFAULT_MAX_HEADER_BYTES,
                     help="a request line plus headers larger than this gets 431 (default: 32 KiB)")
-    lg.add_argument("--request-timeout-s", type=_positive(float), default=limits.DEFAULT_REQUEST_TIMEOUT_S,
+    lg.add_argument("--request-timeout-s", type=positive(float), default=limits.DEFAULT_REQUEST_TIMEOUT_S,
                     help="a request whose headers and body have not all arrived this long after its first byte "
                          "(or the connection's start) gets 408 and its connection is closed (default: 30)")
-    lg.add_argument("--timeout-keep-alive", type=_positive(float), default=5.0,
+    lg.add_argument("--timeout-keep-alive", type=positive(float), default=5.0,
                     help="close an idle keep-alive connection after this many seconds (default: 5)")
     lg.add_argument("--shutdown-timeout-s", type=float, default=limits.DEFAULT_SHUTDOWN_TIMEOUT_S,
                     help="on SIGTERM/SIGINT, wait this long for requests in flight, then end them (a stream gets an "
                          "error event and [DONE]); /health is 503 meanwhile (default: 30)")
     dp = s.add_argument_group("several engines (Ray, or local processes)")
-    dp.add_argument("--data-parallel", type=_positive(int), default=1, metavar="N",
+    dp.add_argument("--data-parallel", type=positive(int), default=1, metavar="N",
                     help="N engine actors on a Ray cluster (one per GPU on a GPU host) behind one endpoint and a "
                          "router; with no cluster running, a local one is started")
     dp.add_argument("--router", default="kv_aware", choices=["round_robin", "least_loaded", "kv_aware", "approx"],
@@ -356,10 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kv_aware/approx: weight of the prefill an engine would do (prompt blocks it lacks plus "
                          "a quarter of its queued prefill) against its active decode blocks")
     add_router_balance_arg(dp)
-    dp.add_argument("--prefill-engines", type=_positive(int), default=None, metavar="P",
+    dp.add_argument("--prefill-engines", type=positive(int), default=None, metavar="P",
                     help="disaggregated prefill: P engines compute prompts and send their KV blocks to the decode "
                          "engines (--decode-engines), which generate")
-    dp.add_argument("--decode-engines", type=_positive(int), default=None, metavar="D",
+    dp.add_argument("--decode-engines", type=positive(int), default=None, metavar="D",
                     help="with --prefill-engines: D engines that generate (default 1)")
     dp.add_argument("--ray-address", default=None,
                     help="join this Ray cluster (e.g. auto, or HOST:6379 after 'ray start --head')")

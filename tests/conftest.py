@@ -9,24 +9,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-HEAVIEST_FILES = [
-    "test_gemma3_engine.py", "test_data_parallel.py", "test_cache_invariance.py", "test_triton_engine_cpu.py",
-    "test_tiers.py", "test_server.py", "test_kv_quant.py", "test_simulator.py", "test_hf_parity.py",
-    "test_gemma3_model.py", "test_bench_serve.py", "test_gemma3_server.py", "test_async_scheduling.py",
-    "test_disaggregated.py", "test_disaggregated_server.py", "test_stop_streaming.py", "test_engine.py",
-    "test_bench_policies.py", "test_bench_fleet.py",
-]
-"""Test files by their time on the 2-core VM (2026-11-28, ``--durations``), heaviest first."""
-
-
 def pytest_collection_modifyitems(config, items):
-    """Heaviest files first, each file's tests in their own order. ``make test`` hands whole
+    """Files marked ``slow`` first, each file's tests in their own order. ``make test`` hands whole
     files to two xdist workers in collection order (``--dist loadfile --no-loadscope-reorder``),
     so a long file never starts last and runs alone at the end (xdist's default reorder puts
-    files with few tests, the long ones here, last). Measured: 1,621 s against 1,620 s, the
-    workers were already balanced; this keeps them so as files grow."""
-    rank = {name: i for i, name in enumerate(HEAVIEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1], len(rank)))
+    files with few tests, the long ones here, last)."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +34,7 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvos.model.loader import default_model_path
+    from kvos.models.loader import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -82,7 +70,7 @@ def gguf_parsed_once():
 @pytest.fixture(scope="session")
 def gemma_path(gguf_parsed_once):
     """Gemma 3 270M (the hybrid model) assembled from its package."""
-    from kvos.model.loader import resolve_model_path
+    from kvos.models.loader import resolve_model_path
 
     return resolve_model_path("gemma-3-270m")
 

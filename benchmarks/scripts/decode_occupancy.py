@@ -4,7 +4,8 @@ tile's loads, so the programs resident on an SM (207 registers uncapped: two; ca
 three) are what hides memory latency, and the split count sets how full the last wave is. Prints ms per call (mean of 10 back-to-back calls, median of 7) for each
 split count and cap, and the engine's default choice."""
 import torch
-from paged_kv_fixture import BS, DEVICE as dev, HD, H, NB, quantized_pool, random_pool, timed
+from paged_kv_fixture import BS, HD, NB, H, quantized_pool, random_pool, timed
+from paged_kv_fixture import DEVICE as dev
 
 from kvos.kernels import decode_attention as D
 

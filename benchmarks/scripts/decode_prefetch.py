@@ -13,7 +13,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from paged_kv_fixture import BS, DEVICE as dev, HD, H, KVH, NB, quantized_pool, random_pool, timed
+from paged_kv_fixture import BS, HD, KVH, NB, H, quantized_pool, random_pool, timed
+from paged_kv_fixture import DEVICE as dev
 
 from kvos.kernels import decode_attention as D
 from kvos.kernels.tile_attention import LOG2E, V_FOLD, int8_to_fp16

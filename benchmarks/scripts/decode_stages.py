@@ -15,7 +15,8 @@ import os
 import sys
 
 import torch
-from paged_kv_fixture import BS, DEVICE as dev, HD, H, NB, quantized_pool, random_pool, timed
+from paged_kv_fixture import BS, HD, NB, H, quantized_pool, random_pool, timed
+from paged_kv_fixture import DEVICE as dev
 
 from kvos.kernels import decode_attention as D
 

@@ -7,11 +7,12 @@ bf16, the error against a float64 reference over the dequantized cache, and whic
 import torch
 import triton
 import triton.language as tl
-from paged_kv_fixture import BS, DEVICE as dev, HD, H, KVH, NB, quantized_pool, random_pool, timed
+from paged_kv_fixture import BS, HD, KVH, NB, H, quantized_pool, random_pool, timed
+from paged_kv_fixture import DEVICE as dev
 
 from kvos.kernels import decode_attention as D
+from kvos.kernels.kv_quant import dequantize
 from kvos.kernels.tile_attention import LOG2E, V_FOLD
-from kvos.model.kv_quant import dequantize
 
 
 @triton.jit

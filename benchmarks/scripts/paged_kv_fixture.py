@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-from kvos.model.kv_quant import quantize
+from kvos.kernels.kv_quant import quantize
 
 H, KVH, HD, BS = 32, 8, 128, 16
 NB = 40000

@@ -1,8 +1,9 @@
 """Probe: per-copy device time of TimedCopies (the decode engine's peer copies) for a range of
 sizes, with the copying GPU idle, busy with memory-bound work, or busy with matrix products on
 its main stream, and with the source GPU busy or not. Prints a fit time = a + bytes / bw."""
-from ipc_pair import as_consumer, as_producer, open_shared, run_pair
 import time
+
+from ipc_pair import as_consumer, as_producer, open_shared, run_pair
 
 SIZES = [2 << 20, 8 << 20, 19 << 20, 64 << 20, 256 << 20]
 
@@ -29,7 +30,8 @@ def producer(q_out, q_in):
 def consumer(q_in, q_out):
     as_consumer()
     import torch
-    from kvos.model.timed_copies import TimedCopies
+
+    from kvos.worker.timed_copies import TimedCopies
     srcs = open_shared(q_in.get())
     dev = torch.device("cuda:0")
     tc = TimedCopies(dev)

@@ -20,8 +20,10 @@ def producer(q_out, q_in):
 def consumer(q_in, q_out):
     as_consumer()
     import time
+
     import torch
-    from kvos.model.timed_copies import TimedCopies
+
+    from kvos.worker.timed_copies import TimedCopies
     tc = TimedCopies(torch.device("cuda:0"))
     for n in SIZES:
         shared = q_in.get()

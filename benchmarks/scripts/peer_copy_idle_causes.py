@@ -49,7 +49,8 @@ def producer(q_out, q_in):
 def consumer(q_in, q_out):
     as_consumer()
     import torch
-    from kvos.model.timed_copies import TimedCopies
+
+    from kvos.worker.timed_copies import TimedCopies
     src, other, tiny, wake = open_shared(q_in.get())
     dev = torch.device("cuda:0")
     tc = TimedCopies(dev)

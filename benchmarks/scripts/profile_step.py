@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvos import LLM
-from kvos.model.attention import AttentionMetadata
+from kvos.models.attention import AttentionMetadata
 
 llm = LLM(model=sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b", random_weights=True, device="cuda", max_num_batched_tokens=8192,
           max_num_seqs=256, enforce_eager=True)

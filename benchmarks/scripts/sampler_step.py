@@ -14,8 +14,8 @@ import torch
 from triton.testing import do_bench
 
 from kvos.bench.sampling import KINDS
-from kvos.engine.sampling_params import SamplingParams
-from kvos.model.sampler import Sampler, SampleRow
+from kvos.core.sampling_params import SamplingParams
+from kvos.worker.sampler import Sampler, SampleRow
 
 output = sys.argv[sys.argv.index("--output") + 1] if "--output" in sys.argv else None
 R, V = 256, 128256

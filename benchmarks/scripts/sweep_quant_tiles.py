@@ -7,7 +7,7 @@ import torch
 
 from kvos.kernels import decode_attention as D
 from kvos.kernels import prefill_attention as P
-from kvos.model.kv_quant import quantize
+from kvos.kernels.kv_quant import quantize
 
 torch.manual_seed(0)
 dev = "cuda"

@@ -59,7 +59,7 @@ from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS, add_router_balance_
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from kvos.cli import _positive
+    from kvos.config.flags import positive
 
     p.add_argument("--conversations", type=int, default=200)
     p.add_argument("--turns", type=int, default=6)
@@ -68,7 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-len", type=int, default=128, help="tokens per user message")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per turn (greedy, EOS ignored)")
     p.add_argument("--concurrency", type=int, default=64, help="conversations in flight at once (closed loop)")
-    p.add_argument("--arrival-rate", type=_positive(float), default=None, metavar="R",
+    p.add_argument("--arrival-rate", type=positive(float), default=None, metavar="R",
                    help="open loop: conversations start at Poisson times, R per second (--concurrency unused)")
     p.add_argument("--data-parallel", type=int, default=2, metavar="N", help="engines behind each router")
     p.add_argument("--routers", default="kv_aware,round_robin,least_loaded",
@@ -109,8 +109,8 @@ def make_workload(a: argparse.Namespace, vocab: int) -> Workload:
 
 def model_vocab_size(kw: dict) -> int:
     """The vocabulary size from the model's config (no weights loaded)."""
-    from kvos.model.config import ModelConfig
-    from kvos.model.loader import resolve_config_path, resolve_model_path
+    from kvos.models.config import ModelConfig
+    from kvos.models.loader import resolve_config_path, resolve_model_path
 
     if kw.get("random_weights"):
         path = resolve_config_path(kw.get("model"))
@@ -118,9 +118,9 @@ def model_vocab_size(kw: dict) -> int:
     path = resolve_model_path(kw.get("model"))
     if path.is_dir():
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text())).vocab_size
-    from kvos.model.gguf_loader import _open, read_gguf_config
+    from kvos.models.gguf_header import open_gguf, read_gguf_config
 
-    return read_gguf_config(_open(path), path).vocab_size
+    return read_gguf_config(open_gguf(path), path).vocab_size
 
 
 class PrefixBound:
@@ -236,8 +236,8 @@ def _diff(after: dict, before: dict) -> dict:
 async def run_fleet(kw: dict, wl: Workload, a: argparse.Namespace, router: str, num_engines: int,
                     prefill_engines: int) -> dict:
     """Start a fleet, warm it up, drive the workload through it, stop it; the run's figures."""
+    from kvos.core.sampling_params import SamplingParams
     from kvos.distributed.dp_engine import DataParallelEngine
-    from kvos.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -383,7 +383,7 @@ def table(runs: list[dict], peer: dict | None) -> str:
 
 def run(a: argparse.Namespace) -> dict:
     from kvos.bench.machine import machine_info
-    from kvos.cli import engine_kwargs
+    from kvos.config.flags import engine_kwargs
 
     routers = [r.strip() for r in a.routers.split(",") if r.strip()]
     bad = [r for r in routers if r not in ROUTERS]

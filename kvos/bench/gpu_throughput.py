@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kvos.config import resolve_device
+from kvos.worker.device import resolve_device
 
 
 def add_gpu_args(p: argparse.ArgumentParser) -> None:
@@ -149,10 +149,10 @@ def run(a: argparse.Namespace) -> dict:
     from kvos import LLM, SamplingParams
     from kvos.bench.machine import machine_info
     from kvos.bench.roofline import ModelCost, measure_ceilings
-    from kvos.cli import engine_kwargs
-    from kvos.model.hf_bridge import hf_model_sharing_weights
-    from kvos.model.loader import load_model, resolve_config_path
-    from kvos.model.runner import parse_dtype
+    from kvos.config.flags import engine_kwargs
+    from kvos.models.hf_bridge import hf_model_sharing_weights
+    from kvos.models.loader import load_model, resolve_config_path
+    from kvos.worker.runner import parse_dtype
 
     ceilings = measure_ceilings()
     kw = engine_kwargs(a)

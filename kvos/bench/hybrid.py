@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from kvos.config import resolve_device
+from kvos.worker.device import resolve_device
 
 LAYOUTS = ("homogeneous", "equal_pages", "unified")
 
@@ -85,10 +85,15 @@ def run(a: argparse.Namespace) -> dict:
     import torch
 
     from kvos import LLM
-    from kvos.bench.gpu_throughput import decode_micro, fixed, print_decode_micro, run_kvos
+    from kvos.bench.gpu_throughput import (
+        decode_micro,
+        fixed,
+        print_decode_micro,
+        run_kvos,
+    )
     from kvos.bench.machine import machine_info
     from kvos.bench.roofline import ModelCost, measure_ceilings
-    from kvos.cli import engine_kwargs
+    from kvos.config.flags import engine_kwargs
 
     kw = engine_kwargs(a)
     cuda = resolve_device(kw["device"]).startswith("cuda")

@@ -31,7 +31,7 @@ def run(a: argparse.Namespace) -> dict:
 
     from kvos import LLM, SamplingParams
     from kvos.bench.machine import machine_info
-    from kvos.cli import engine_kwargs
+    from kvos.config.flags import engine_kwargs
 
     kw = engine_kwargs(a)
     llm = LLM(**kw)

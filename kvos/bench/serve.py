@@ -161,7 +161,7 @@ def _offline(engine_args: str, prompts: list[list[int]], max_tokens: int, temper
     """The baseline, in a process of its own: ``LLM.generate`` on the same requests (after a
     small warm-up batch, as the server warms up before reporting healthy)."""
     from kvos import LLM, SamplingParams
-    from kvos.cli import add_engine_args, engine_kwargs
+    from kvos.config.flags import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

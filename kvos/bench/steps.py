@@ -50,7 +50,7 @@ def measure(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
 def run(a: argparse.Namespace) -> dict:
     from kvos import LLM
     from kvos.bench.machine import machine_info
-    from kvos.cli import engine_kwargs
+    from kvos.config.flags import engine_kwargs
 
     llm = LLM(**engine_kwargs(a))
     rng = random.Random(a.bench_seed)

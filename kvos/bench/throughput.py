@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvos.bench import gpu_throughput
 from kvos.bench.gpu_throughput import add_gpu_args
-from kvos.config import resolve_device
+from kvos.worker.device import resolve_device
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -116,7 +116,7 @@ def run(a: argparse.Namespace) -> dict:
     a.output = a.output or "benchmarks/results/throughput-cpu.json"
     from kvos import LLM
     from kvos.bench.machine import machine_info
-    from kvos.cli import engine_kwargs
+    from kvos.config.flags import engine_kwargs
 
     llm = LLM(**engine_kwargs(a))
     tok = llm.get_tokenizer()

@@ -34,9 +34,9 @@ def run(a: argparse.Namespace) -> dict:
     from kvos.bench.machine import machine_info
     from kvos.cache.tiers import CPUTier, TierHierarchy, allocate_bytearray
     from kvos.cache.tiers.codec import checksum
-    from kvos.engine.pinned import PinnedAllocator
-    from kvos.engine.tier_io import TierIO, host_digest
-    from kvos.model.runner import ModelRunner
+    from kvos.connector.host_memory import PinnedAllocator
+    from kvos.connector.tier_io import TierIO, host_digest
+    from kvos.worker.runner import ModelRunner
 
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-BlockHash = bytes
+from kvos.core.kv_events import BlockHash  # noqa: E402  (re-exported: the cache's name for it)
+
 """Chained content hash of a full block (16 bytes); covers the parent hash, the block's
 token ids and the extra keys (model, tenant salt), so equal hashes mean equal KV content."""
 

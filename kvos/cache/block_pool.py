@@ -5,8 +5,8 @@ import heapq
 from collections.abc import Callable, Iterable
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
-from kvos.cache.eviction import EvictionPolicy, LRUPolicy
 from kvos.cache.events import KVEventLog
+from kvos.cache.eviction import EvictionPolicy, LRUPolicy
 from kvos.cache.page_pool import LargePagePool
 from kvos.cache.prefix_index import PrefixIndex
 from kvos.cache.stats import CacheCounters, CacheUsage

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool, LogicalClock
-from kvos.cache.events import KVEventLog, KVSnapshot
+from kvos.cache.events import KVEventLog
 from kvos.cache.eviction import EvictionPolicy, HitProtectedLRUPolicy, make_policy
 from kvos.cache.full_attention import FullAttentionManager
 from kvos.cache.hashing import extend_block_hashes, root_hash
@@ -16,6 +16,7 @@ from kvos.cache.sequence import CacheableSequence
 from kvos.cache.sliding_window import SlidingWindowManager
 from kvos.cache.spec import KVCacheSpec
 from kvos.cache.stats import CacheCounters, CacheUsage
+from kvos.core.kv_events import KVSnapshot
 
 MANAGERS: dict[str, type[FullAttentionManager]] = {
     "full_attention": FullAttentionManager, "sliding_window": SlidingWindowManager}

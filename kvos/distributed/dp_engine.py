@@ -10,13 +10,19 @@ from dataclasses import dataclass, field
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.pins import PinInfo
-from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
+from kvos.core.load import EngineLoad
+from kvos.core.sampling_params import SamplingParams
 from kvos.distributed.engines import TRANSPORTS, EngineDied, ProcessEngines, RayEngines
+from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.distributed.output_delta import OutputAccumulator
 from kvos.distributed.worker import EngineInfo, PollResult
-from kvos.engine.sampling_params import SamplingParams
-from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, EngineLoad, Router, make_router
-from kvos.serve.async_engine import EngineStopped, EngineUnavailable, RequestStream, _Stream
+from kvos.engine.async_engine import (
+    EngineStopped,
+    EngineUnavailable,
+    RequestStream,
+    _Stream,
+)
+from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router, make_router
 
 log = logging.getLogger("kvos.distributed")
 

@@ -6,9 +6,9 @@ import asyncio
 import threading
 from collections.abc import Sequence
 
+from kvos.core.outputs import RequestOutput
+from kvos.core.sampling_params import SamplingParams
 from kvos.distributed.dp_engine import DataParallelEngine
-from kvos.engine.outputs import RequestOutput
-from kvos.engine.sampling_params import SamplingParams
 from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT
 
 

@@ -13,7 +13,7 @@ cumulative_logprob, finish_reason, stop_reason)``. ``metrics`` travel when they 
 """
 from __future__ import annotations
 
-from kvos.engine.outputs import CompletionOutput, RequestOutput
+from kvos.core.outputs import CompletionOutput, RequestOutput
 
 OutputDelta = tuple
 

@@ -8,14 +8,14 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.pins import PinInfo
+from kvos.core.kv_events import KVEventBatch, KVSnapshot
+from kvos.core.load import EngineLoad
+from kvos.core.outputs import RequestOutput
+from kvos.core.sampling_params import SamplingParams
 from kvos.distributed.block_export import BlockExports
 from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.distributed.output_delta import DeltaEncoder, OutputDelta
-from kvos.engine.outputs import RequestOutput
-from kvos.engine.sampling_params import SamplingParams
-from kvos.router.policies import EngineLoad
 
 log = logging.getLogger("kvos.distributed")
 

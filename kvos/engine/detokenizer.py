@@ -1,7 +1,7 @@
 """Incremental detokenization and stop-string matching for one sequence."""
 from __future__ import annotations
 
-from kvos.engine.sampling_params import SamplingParams
+from kvos.core.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from kvos.config import EngineConfig
+from kvos.core.outputs import RequestOutput
+from kvos.core.sampling_params import SamplingParams
 from kvos.engine.chat import chat_prompt_ids
 from kvos.engine.llm_engine import LLMEngine, PromptType
-from kvos.engine.outputs import RequestOutput
-from kvos.engine.sampling_params import SamplingParams
 
 Message = dict[str, str]
 

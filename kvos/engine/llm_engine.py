@@ -13,29 +13,30 @@ from dataclasses import dataclass, field
 import torch
 
 from kvos.cache.block import BlockHash
-from kvos.cache.events import KVEventBatch, KVSnapshot
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import build_layout
 from kvos.cache.pins import Pin, PinInfo, PinnedPrefixes
-from kvos.config import EngineConfig, resolve_device
-from kvos.engine.block_adoption import BlockAdopter
+from kvos.config import EngineConfig
+from kvos.connector.block_adoption import BlockAdopter
+from kvos.connector.offload import OffloadManager, build_hierarchy
+from kvos.connector.swap import HostSwapSpace
+from kvos.core.kv_events import KVEventBatch, KVSnapshot
+from kvos.core.outputs import CompletionOutput, RequestOutput
+from kvos.core.request import Request, RequestStatus
+from kvos.core.sampling_params import SamplingParams
 from kvos.engine.detokenizer import IncrementalDetokenizer
-from kvos.engine.offload import OffloadManager, build_hierarchy
-from kvos.engine.step import describe_step
 from kvos.engine.gc_tuning import relax_gc_thresholds
-from kvos.engine.outputs import CompletionOutput, RequestOutput
-from kvos.engine.request import Request, RequestStatus
-from kvos.engine.sampling_params import SamplingParams
-from kvos.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvos.engine.swap import HostSwapSpace
-from kvos.model.fingerprint import model_fingerprint
-from kvos.model.loader import (
+from kvos.models.fingerprint import model_fingerprint
+from kvos.models.loader import (
     load_tokenizer,
     load_tokenizer_for_config,
     resolve_config_path,
     resolve_model_path,
 )
-from kvos.model.runner import LaunchedStep, ModelRunner, parse_dtype
+from kvos.scheduler.describe import describe_step
+from kvos.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvos.worker.device import resolve_device
+from kvos.worker.runner import LaunchedStep, ModelRunner, parse_dtype
 
 PromptType = str | list[int] | dict
 

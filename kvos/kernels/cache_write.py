@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvos.model.kv_quant import FP8_SCALE_CANDIDATES, MIN_SCALE, QMAX, kv_dtype_of
+from kvos.kernels.kv_quant import FP8_SCALE_CANDIDATES, MIN_SCALE, QMAX, kv_dtype_of
 
 
 @triton.jit
@@ -13,7 +13,7 @@ def _quantize_row(x, scale_ptr, mask_row, QMAX: tl.constexpr, MIN_SCALE: tl.cons
                   ROUND: tl.constexpr):
     """Store the row's scale ``amax(|x|) / QMAX`` at ``scale_ptr`` (where ``mask_row``) and
     return ``clamp(x / max(scale, MIN_SCALE), -QMAX, QMAX)`` in fp32, rounded half to even when
-    ROUND (int8), as ``kvos.model.kv_quant.quantize`` does. x: the row in fp32, zero where
+    ROUND (int8), as ``kvos.kernels.kv_quant.quantize`` does. x: the row in fp32, zero where
     masked. Both divisions are correctly rounded (``div_rn``: Triton's ``/`` is approximate on
     CUDA), as torch's are on CPU, so scales and values match ``quantize`` there bit for bit."""
     scale = tl.div_rn(tl.max(tl.abs(x), 0), QMAX)
@@ -52,7 +52,7 @@ def _round_e4m3(y):
 
 @triton.jit
 def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATES: tl.constexpr):
-    """fp8 e4m3 as ``kvos.model.kv_quant.quantize``: of the scales ``(amax(|x|) / 448) * (1 + j /
+    """fp8 e4m3 as ``kvos.kernels.kv_quant.quantize``: of the scales ``(amax(|x|) / 448) * (1 + j /
     CANDIDATES)``, j < CANDIDATES, keep the one whose dequantized row has the least squared error
     (float64 sum; ties: the smallest j), store it at ``scale_ptr`` (where ``mask_row``) and return
     the row's e4m3fn bytes (int32, sign in bit 7) for a uint8 view of the cache. x: the row in
@@ -137,7 +137,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     graph). Slots must be distinct (two rows writing one slot race). No host synchronisation, so
     it is safe inside a CUDA graph capture.
 
-    k_scale, v_scale: a quantized cache (``kvos.model.kv_quant``), both or neither: float32
+    k_scale, v_scale: a quantized cache (``kvos.kernels.kv_quant``), both or neither: float32
     ``[num_blocks, block_size, KVH]``, any strides, and k_cache, v_cache both float8_e4m3fn or
     both int8. Each (token, kv head) row of K and of V is then quantized as
     ``kv_quant.quantize`` does (symmetric, one scale per row, values ``clamp(row / max(scale,

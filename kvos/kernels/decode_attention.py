@@ -7,8 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kvos.kernels.tile_attention import (LOG2E, V_FOLD, attend_key_range, check_paged_inputs, dot_precision,
-                                         padded_head_dim, quantized_dot_flags, scale_args)
+from kvos.kernels.tile_attention import (
+    LOG2E,
+    V_FOLD,
+    attend_key_range,
+    check_paged_inputs,
+    dot_precision,
+    padded_head_dim,
+    quantized_dot_flags,
+    scale_args,
+)
 
 MIN_KEYS_PER_SPLIT = 256
 """``decode_num_splits`` never gives a split fewer keys than this (counted on the padded table)."""
@@ -213,7 +221,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     anything (e.g. a null block 0). Passed as a runtime int: every window shares one compiled
     variant, and full attention compiles as without the option.
 
-    k_scale, v_scale: quantized caches (``kvos.model.kv_quant``), both or neither: float32
+    k_scale, v_scale: quantized caches (``kvos.kernels.kv_quant``), both or neither: float32
     ``[num_blocks, block_size, KVH]`` (any strides), the scale of each (token, kv head) row, at
     the same block and offset as the row; k_cache and v_cache are then both float8_e4m3fn or
     both int8 (as ``write_kv`` writes them) and q is fp32, bf16 or fp16. Attention runs over the

@@ -1,7 +1,7 @@
 """Fused elementwise kernels of the decoder: RMSNorm (optionally adding the residual first),
 rotary embedding, SiLU-and-multiply and GELU(tanh)-and-multiply (Gemma).
 
-Each kernel reproduces the rounding order of the torch definitions in ``kvos.model.ops``:
+Each kernel reproduces the rounding order of the torch definitions in ``kvos.models.ops``:
 float32 math, rounded to the tensor dtype wherever torch rounds (after each elementwise op on
 bf16/fp16 tensors). The wrappers read only shapes, strides and dtypes, allocate with
 ``torch.empty`` and launch one kernel: no host synchronisation, so they are safe inside a CUDA

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvos.model.kv_quant import kv_dtype_of
+from kvos.kernels.kv_quant import kv_dtype_of
 
 LOG2E = 1.4426950408889634
 """Scores are scaled by ``scale * LOG2E`` so the softmax can use exp2."""
@@ -52,7 +52,7 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """Validate shapes shared by the attention wrappers; return the GQA group size H // KVH.
 
     Without scales the caches share q's dtype. With ``k_scale`` and ``v_scale`` (both or neither)
-    the caches are quantized (``kvos.model.kv_quant``: both float8_e4m3fn or both int8) and the
+    the caches are quantized (``kvos.kernels.kv_quant``: both float8_e4m3fn or both int8) and the
     scales are float32 ``[num_blocks, block_size, KVH]``, any strides."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, "caches: [blocks, block_size, KVH, D]"
@@ -136,7 +136,7 @@ def attend_key_range(
     others, and a row that sees no key (in a tile or in the whole range) keeps ``m_i = -inf``,
     ``l_i = 0``.
 
-    QUANT=True (quantized cache, ``kvos.model.kv_quant``): the caches hold fp8 e4m3 / int8 values
+    QUANT=True (quantized cache, ``kvos.kernels.kv_quant``): the caches hold fp8 e4m3 / int8 values
     and ``k_scale_head_ptr`` / ``v_scale_head_ptr`` point at this kv head's float32 scales, key
     position p's K scale at ``block * stride_ksb + offset * stride_kso`` (V: stride_vsb,
     stride_vso). q is fp32, or fp16 for 16-bit queries (``quantized_dot_flags``). A tile is

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass
 
-from kvos.cache.events import CachedBlockSet, KVEventBatch, KVSnapshot
+from kvos.core.kv_events import CachedBlockSet, KVEventBatch, KVSnapshot
+from kvos.core.load import EngineLoad
 
 BlockHash = bytes
 
@@ -56,24 +56,6 @@ def balance_error(balance_abs: int, balance_rel: float) -> str | None:
     if balance_rel != 0 and balance_rel < 1:
         return f"balance_rel must be 0 (off) or >= 1, got {balance_rel}"
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """One engine's load when a request is routed.
-
-    ``prefill_tokens``: prompt tokens queued or in flight that are not computed yet (a waiting
-    request counts its prompt less the prefix the cache held when it arrived). ``active_blocks``: KV blocks the running sequences span (each sequence counts
-    its own, as a router counts them without seeing which are shared)."""
-
-    waiting: int = 0
-    running: int = 0
-    prefill_tokens: int = 0
-    active_blocks: int = 0
-
-    def blocks(self, block_size: int, prefill_weight: float = 1.0) -> float:
-        """The load in blocks: ``prefill_weight * prefill_tokens / block_size + active_blocks``."""
-        return prefill_weight * self.prefill_tokens / block_size + self.active_blocks
 
 
 class Router(ABC):

@@ -6,7 +6,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-
 ECHO_LIMIT = 100
 """At most this many characters of any user input (a model name, a field name) are echoed back."""
 

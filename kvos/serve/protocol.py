@@ -10,7 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from kvos.engine.sampling_params import SamplingParams
+from kvos.core.sampling_params import SamplingParams
 from kvos.serve.errors import clip
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]

@@ -5,7 +5,7 @@ import hashlib
 import json
 import time
 
-from kvos.engine.outputs import CompletionOutput, RequestOutput
+from kvos.core.outputs import CompletionOutput, RequestOutput
 
 
 def sse(obj: dict | str) -> str:

@@ -10,15 +10,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
 
-from kvos.serve.async_engine import EngineStopped, RequestStream
+from kvos.engine.async_engine import EngineStopped, RequestStream
 from kvos.serve.responses import finish_reason, prompt_text, sse, usage
-
-if TYPE_CHECKING:
-    from kvos.serve.app import ServerState
+from kvos.serve.state import ServerState
 
 log = logging.getLogger("kvos.serve")
 

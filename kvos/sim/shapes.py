@@ -118,7 +118,7 @@ def shape_from_hf_config(cfg: dict, name: str = "") -> ModelShape:
 def _gemma3_shape(cfg: dict, name: str) -> ModelShape:
     """Gemma 3 configs leave fields to transformers' defaults (the 27B's ``text_config`` has no
     ``vocab_size`` nor layer pattern): read them as the engine does."""
-    from kvos.model.config import ModelConfig
+    from kvos.models.config import ModelConfig
 
     try:
         mc = ModelConfig.from_hf(cfg, name)

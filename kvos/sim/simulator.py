@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from kvos.cache.eviction import BeladyPolicy, make_policy
-from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.full_attention import cdiv
+from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import CacheLayout
 from kvos.cache.spec import FullAttentionSpec
-from kvos.engine.request import Request
-from kvos.engine.sampling_params import SamplingParams
-from kvos.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvos.core.request import Request
+from kvos.core.sampling_params import SamplingParams
+from kvos.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvos.sim.contiguous import ContiguousKVManager
 from kvos.sim.cost_model import CostModel
 from kvos.sim.tier import CPU_SOURCE, SimTier, SimTierConfig

@@ -9,7 +9,14 @@ engine on a GPU).
 """
 from kvos.cache.tiers.arena import SlotArena, allocate_bytearray
 from kvos.cache.tiers.base import Tier, TierStats
-from kvos.cache.tiers.codec import DigestCodec, PlainCodec, SealedCodec, decode, encode, load_key_file
+from kvos.cache.tiers.codec import (
+           DigestCodec,
+           PlainCodec,
+           SealedCodec,
+           decode,
+           encode,
+           load_key_file,
+)
 from kvos.cache.tiers.cpu import CPUTier, TransferTier
 from kvos.cache.tiers.disk import DiskTier
 from kvos.cache.tiers.hierarchy import TierHierarchy

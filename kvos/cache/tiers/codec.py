@@ -13,7 +13,7 @@ Two frame kinds, told apart by their magic:
 
 - digest (``DigestCodec``, the CPU tier's on a GPU): ``magic | digest ^ H(key) | 0 | length |
   payload``, where ``digest`` is a 64-bit digest of the payload that the caller computes where
-  the bytes are (``kvos.engine.block_digest``: on the device, before the copy to the host). A load
+  the bytes are (``kvos.worker.block_digest``: on the device, before the copy to the host). A load
   is checked after its copy to the device, by digesting the copied rows there (``split`` hands
   out the expected digest without reading the payload); ``decode`` checks on the host.
 
@@ -100,7 +100,7 @@ def key_hash64(key: bytes) -> int:
 
 
 Digest = Callable[[bytes | memoryview], int]
-"""The payload's 64-bit digest, as a signed int (``kvos.engine.block_digest`` on host rows)."""
+"""The payload's 64-bit digest, as a signed int (``kvos.worker.block_digest`` on host rows)."""
 
 
 class DigestCodec:

@@ -6,7 +6,13 @@ import threading
 import time
 
 from kvos.cache.block import BlockHash
-from kvos.cache.tiers.arena import DEFAULT_CHUNK_BYTES, Allocate, Demand, SlotArena, allocate_bytearray
+from kvos.cache.tiers.arena import (
+    DEFAULT_CHUNK_BYTES,
+    Allocate,
+    Demand,
+    SlotArena,
+    allocate_bytearray,
+)
 from kvos.cache.tiers.base import Tier
 from kvos.cache.tiers.codec import HEADER_SIZE, PLAIN, Digest, DigestCodec
 
@@ -33,7 +39,7 @@ class CPUTier(Tier):
     this tier (a put may evict that slot and rewrite it; a get never writes a slot, so gets may
     run concurrently). The engine puts only on its single tier I/O thread; gets run there or on
     helper threads that thread waits for, and every view is finished with before its next put
-    (``kvos.engine.tier_io``); other threads only call ``contains``.
+    (``kvos.connector.tier_io``); other threads only call ``contains``.
     """
 
     name = "cpu"

@@ -1,0 +1,166 @@
+"""The engine's one configuration object."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvos.cache.eviction import POLICIES as EVICTION_POLICIES
+from kvos.cache.tiers.hierarchy import WRITE_POLICIES
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+PREEMPTION_ORDERS = ("latest", "least_progress")
+KV_LAYOUTS = ("unified", "equal_pages", "homogeneous")
+PREEMPTION_MODES = ("recompute", "swap")
+TIER_VERIFY = ("auto", "host", "device")
+TIERS = "tiers below the device"  # the CLI's argument group for these fields
+
+# Each field's metadata drives its ``kvos`` flag (kvos.cli.add_engine_args): "help", "choices", and where the
+# default spelling (--field-name) does not fit, "flag", "aliases", "dest", "negate" (a bool flag that turns
+# the field off), "group" (the help section; default "engine").
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes an engine. Sizes are in tokens unless named ``_bytes``.
+
+    The KV pool holds ``num_blocks`` pages if given (blocks of a single-group model; large pages
+    of a hybrid model's pool, see ``kv_layout``), else as many as fit in
+    ``kv_cache_memory_bytes``; when neither is given, 2 GiB on the CPU and, on a GPU, what is
+    left of ``gpu_memory_utilization`` of its memory after the weights and the peak activations
+    of a profiled ``max_num_batched_tokens`` step. ``max_model_len`` defaults to the model's
+    context length. ``random_weights``: ``model`` names a config (bundled name, config.json or
+    folder) and weights are drawn at random on the device (benchmarks of shapes whose weights
+    are not at hand). ``enforce_eager``: no CUDA graphs on a GPU. ``async_scheduling``
+    (default: on a GPU): step N+1 is scheduled and queued while step N runs, so host work
+    (scheduling, inputs, outputs) overlaps the device; outputs then arrive one step later and a
+    sequence that stops on a token runs one extra step whose token is dropped.
+    ``kv_cache_dtype``: ``auto`` keeps K/V in the model's dtype; ``fp8_e4m3`` and ``int8`` store
+    one byte per value plus a float32 scale per (token, layer, K/V, kv head), about half of
+    bf16's bytes (a quarter of float32's), quantized on write and dequantized inside attention.
+    """
+
+    model: str | None = field(default=None, metadata={
+        "aliases": ("--config",),
+        "help": "GGUF file or HF folder (default: SmolLM2-135M-Instruct); with --random-weights a bundled config "
+                "(llama-3.1-8b, qwen3-8b, llama-tiny, qwen3-tiny) or a config.json"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_layout: str = field(default="unified", metadata={
+        "choices": KV_LAYOUTS,
+        "help": "hybrid (sliding-window) models: one pool of LCM-sized pages split per layer kind "
+                "(unified, Jenga), vLLM-style equal pages, or every layer keeping every token (homogeneous)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "flag": "--no-prefix-caching", "negate": True, "help": "turn automatic prefix caching off"})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "help": "KV pool budget (default: 2 GiB on CPU; on a GPU, profiled from --gpu-memory-utilization)"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "pool size in pages: blocks, or large pages of a hybrid pool (overrides the budget)"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens one engine step may schedule"})
+    max_num_seqs: int = field(default=128, metadata={"help": "sequences one engine step may run"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest sequence, prompt and output (default: the model's context length)"})
+    dtype: str | None = field(default=None, metadata={"help": "default: bfloat16 on a GPU, float32 on the CPU"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "choices": KV_CACHE_DTYPES,
+        "help": "KV cache storage: the model's dtype (auto), or 8-bit with a float32 scale per token "
+                "and kv head (about half of bf16's bytes)"})
+    device: str = field(default="auto", metadata={
+        "help": "torch device, e.g. cpu or cuda; auto: cuda when a GPU is visible, else cpu"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "choices": SCHEDULING_POLICIES,
+        "help": "fcfs: arrival order; priority: lower value first; lpm: longest cached prefix first"})
+    fairness_steps: int = field(default=64, metadata={
+        "help": "lpm: a request overtaken by later arrivals for this many steps goes first"})
+    eviction_policy: str = field(default="lru", metadata={
+        "choices": EVICTION_POLICIES, "help": "which unreferenced cached block is evicted first"})
+    eviction_lookahead: int = field(default=256, metadata={
+        "help": "cached prefixes that the next N waiting requests will hit are evicted last, the one wanted "
+                "farthest back in the queue first (0: off)"})
+    preemption_order: str = field(default="latest", metadata={
+        "choices": PREEMPTION_ORDERS,
+        "help": "preemption victim: lowest priority, then the latest arrival (latest) or the one losing the "
+                "least progress (least_progress)"})
+    kv_events: bool = field(default=False, metadata={
+        "help": "log every block the prefix cache stores or evicts as numbered KV event batches "
+                "(LLMEngine.drain_kv_events), for a KV-aware router"})
+    max_pinned_fraction: float = field(default=0.5, metadata={
+        "help": "cap on the fraction of the pool's blocks that pinned prefixes may hold"})
+    seed: int = field(default=0, metadata={
+        # --seed is the sampling seed of generate and chat
+        "flag": "--engine-seed", "dest": "engine_seed", "help": "the engine's torch seed (e.g. random weights)"})
+    cpu_cache_gb: float = field(default=0.0, metadata={"group": TIERS, "help": "CPU-memory tier size (0: off)"})
+    disk_cache_dir: str | None = field(default=None, metadata={
+        "group": TIERS, "help": "local-disk tier directory (off if not given)"})
+    disk_cache_gb: float = field(default=10.0, metadata={"group": TIERS, "help": "local-disk tier size"})
+    remote_cache: str | None = field(default=None, metadata={"group": TIERS, "help": "redis://host:port shared tier"})
+    tier_encryption_key_file: str | None = field(default=None, metadata={
+        "group": TIERS,
+        "help": "file holding a 32-byte key (raw, or 64 hex digits; keep it mode 600): the disk and Redis tiers "
+                "store blocks AES-256-GCM encrypted and bound to their block hash"})
+    kv_transfer_gb: float = field(default=0.0, metadata={
+        "group": TIERS,
+        "help": "host memory for KV blocks that another engine computed and sent (the decode engines of "
+                "disaggregated prefill); 0: off"})
+    tier_verify: str = field(default="auto", metadata={
+        "group": TIERS, "choices": TIER_VERIFY,
+        "help": "where CPU-tier loads are checked: host (xxh3 on host threads before the copy), device (a digest "
+                "of the copied rows on the device, computed there at store time too), auto (device on a GPU)"})
+    tier_lookahead: int = field(default=1024, metadata={
+        "group": TIERS,
+        "help": "waiting requests whose prefix blocks the CPU tier evicts last, farthest in the queue first "
+                "(0: plain LRU)"})
+    write_policy: str = field(default="write_through", metadata={
+        "group": TIERS, "choices": WRITE_POLICIES,
+        "help": "write_through: a block goes to every tier once computed; write_back: to a tier only when the "
+                "one above evicts it"})
+    preemption_mode: str = field(default="recompute", metadata={
+        "group": TIERS, "choices": PREEMPTION_MODES,
+        "help": "recompute: a preempted request's KV is dropped and recomputed; swap: it waits in host memory"})
+    swap_space_gb: float = field(default=4.0, metadata={
+        "group": TIERS, "help": "host memory for swapped-out KV (--preemption-mode swap)"})
+    random_weights: bool = field(default=False, metadata={
+        "help": "draw weights at random from the model's config (benchmarks without real weights)"})
+    skip_tokenizer_init: bool = field(default=False, metadata={
+        "help": "no tokenizer: prompts are token ids, outputs are token ids with empty text (no detokenizing, "
+                "no stop strings); a model without tokenizer files needs it to be served"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of the GPU's memory the engine may use (weights, activations and KV pool)"})
+    enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
+    async_scheduling: bool | None = field(default=None, metadata={
+        "help": "schedule and queue step N+1 while step N runs (default: on for a CUDA device)"})
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
+                                                       or self.kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
+            raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be 'unified', 'equal_pages' or 'homogeneous', got {self.kv_layout!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        for name, allowed in (("eviction_policy", EVICTION_POLICIES), ("scheduling_policy", SCHEDULING_POLICIES),
+                              ("preemption_order", PREEMPTION_ORDERS), ("tier_verify", TIER_VERIFY)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.tier_lookahead, int) or self.tier_lookahead < 0:
+            raise ValueError(f"tier_lookahead must be a non-negative integer, got {self.tier_lookahead!r}")
+        if not isinstance(self.eviction_lookahead, int) or self.eviction_lookahead < 0:
+            raise ValueError(f"eviction_lookahead must be a non-negative integer, got {self.eviction_lookahead!r}")
+        if not isinstance(self.fairness_steps, int) or self.fairness_steps < 1:
+            raise ValueError(f"fairness_steps must be a positive integer, got {self.fairness_steps!r}")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.tier_encryption_key_file is not None:
+            from kvos.cache.tiers.codec import load_key_file
+
+            load_key_file(self.tier_encryption_key_file)  # raises ValueError naming tier_encryption_key_file

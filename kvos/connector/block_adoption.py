@@ -1,0 +1,96 @@
+"""Blocks another engine computed, written into free blocks of this engine's pool and cached
+under their hashes, so that the request sent next finds them as ordinary prefix hits (the
+decode side of disaggregated prefill on one GPU host)."""
+from __future__ import annotations
+
+import torch
+
+from kvos.cache.block import BlockHash
+from kvos.cache.kv_manager import KVCacheManager
+from kvos.worker.runner import ModelRunner
+from kvos.worker.timed_copies import TimedCopies
+
+
+class BlockAdopter:
+    """Engine thread only, between steps.
+
+    Invariants: a block is cached under a hash only once its bytes are queued to be written
+    (on the current stream, so before any later step reads it); adopted blocks end unreferenced
+    (evictable like any cached block); blocks whose hash this pool already holds are skipped.
+    The source rows (another process's memory, mapped) are kept referenced until the copy
+    that reads them has run on the device; they must be complete when ``adopt`` is called (the
+    sender synchronises its gather before it shares them), as the copy waits for nothing.
+    """
+
+    def __init__(self, kv: KVCacheManager, runner: ModelRunner) -> None:
+        self.kv = kv
+        self.runner = runner
+        self._copies = TimedCopies(runner.device) if runner.device.type == "cuda" else None
+        self.blocks = 0
+        self.bytes = 0
+
+    def adopt(self, hashes: list[BlockHash], parent: BlockHash | None, rows: torch.Tensor, depth: int = 0) -> int:
+        """Cache ``rows[i]`` under ``hashes[i]`` (a chain whose first parent is ``parent``, the
+        first block ``depth``-th of it); returns how many blocks were written. Takes free
+        blocks only as the pool can give them (evicting the policy's choice, as any allocation
+        does); what does not fit is skipped, and the request computes it."""
+        self.collect()
+        pool = self.kv.pool
+        todo = [i for i, h in enumerate(hashes) if pool.lookup(h) is None]
+        todo = todo[: pool.num_free_blocks()]
+        if not todo:
+            return 0
+        blocks = pool.get_new_blocks(len(todo))
+        span = rows[todo[0]: todo[-1] + 1]
+        if self._copies is not None and rows.device.type == "cuda":  # one peer DMA beside the steps, then a local scatter
+            span = self._copies.copy(span)
+        local = [i - todo[0] for i in todo]
+        self.runner.write_blocks([b.block_id for b in blocks], span if len(local) == len(span) else span[local])
+        self.blocks += len(blocks)
+        self.bytes += len(blocks) * rows.shape[1]
+        saved, pool.newly_cached = pool.newly_cached, None  # (not this engine's to write through)
+        try:
+            for i, block in zip(todo, blocks):
+                pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else parent, depth=depth + i)
+        finally:
+            pool.newly_cached = saved
+        pool.free_blocks(reversed(blocks))
+        return len(blocks)
+
+    def warm(self, rows: torch.Tensor) -> None:
+        """Any thread, as soon as another GPU's ``rows`` arrive (before ``adopt`` at the next
+        step boundary): wake the peer link with a small read of them (``TimedCopies.warm``)."""
+        if self._copies is not None and rows.device.type == "cuda":
+            self._copies.warm(rows)
+
+    @property
+    def used(self) -> bool:
+        return self.blocks > 0 or (self._copies is not None and self._copies.warm_copies > 0)
+
+    @property
+    def busy(self) -> bool:
+        return self._copies is not None and self._copies.busy
+
+    def collect(self) -> None:
+        """Drop the source rows whose copies have run."""
+        if self._copies is not None:
+            self._copies.collect()
+
+    def stats(self) -> dict:
+        """``adopt_copy_bytes / adopt_copy_s``: the peer copies' rate over the link (device time
+        of the copies alone, not the local scatter after them), and per size class the spread of
+        the copies' own rates (``_spread``); ``adopt_warm_*``: the reads that woke the link
+        ahead of them."""
+        c = self._copies
+        return {"adopted_blocks": self.blocks, "adopted_bytes": self.bytes,
+                "adopt_copy_bytes": c.bytes if c else 0, "adopt_copy_s": c.seconds if c else 0.0,
+                "adopt_copies_by_size": dict(c.by_size) if c else {},
+                "adopt_copy_gb_s_spread": {k: _spread(v) for k, v in c.rates.items()} if c else {},
+                "adopt_warm_copies": c.warm_copies if c else 0, "adopt_warm_bytes": c.warm_bytes if c else 0,
+                "adopt_warm_s": c.warm_seconds if c else 0.0}
+
+
+def _spread(rates: list[float]) -> dict:
+    """p10 / p50 / p90 of per-copy GB/s (nearest rank)."""
+    r = sorted(rates)
+    return {f"p{q}": r[min(len(r) - 1, len(r) * q // 100)] for q in (10, 50, 90)} if r else {}

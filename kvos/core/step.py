@@ -1,0 +1,61 @@
+"""What the runner needs to run one step, as plain picklable data: no ``Request``, no ``KVBlock``.
+
+The scheduler owns live objects (requests, block tables); ``describe_step`` copies out of them,
+on the engine thread right after ``Scheduler.schedule``, exactly what the model runner reads, so
+that a step can run in another process (an engine actor, a worker per GPU). Within one process
+the lists may be shared with the requests (no copy): they are read before the step's output is
+applied, which is the only time they change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvos.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleTarget:
+    """One sampled token for ``request_id`` from its sequence's last logits row this step."""
+
+    request_id: str
+    params: SamplingParams
+    sample_index: int
+    """The fork's index (``n > 1``): a seeded request's fork ``i`` draws its own stream."""
+    prev_pending: int
+    """Tokens sampled by the step before and not yet delivered (0 or 1, async scheduling)."""
+    output_ids: list[int] | None = None
+    """The delivered generated tokens (penalties need the history), else None."""
+    prompt_ids: list[int] | None = None
+    """The prompt (repetition penalty only), else None."""
+    ban_ids: list[int] | None = None
+    """Tokens that may not be sampled yet (stop and EOS ids before ``min_tokens``)."""
+
+
+@dataclass(slots=True)
+class StepSeq:
+    """Tokens ``[start, start + num_new_tokens)`` of ``request_id``."""
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    token_ids: list[int]
+    """The known input tokens; one shorter than ``num_new_tokens`` when the last is the token
+    the previous step sampled, still on the device (async scheduling)."""
+    block_ids: list[list[int]]
+    """Per cache group, the sequence's block table (every group's is as long)."""
+    samplers: list[SampleTarget] = field(default_factory=list)
+    prompt_logprobs: tuple[int, list[int]] | None = None
+    """(k, the prompt tokens at positions ``start + 1 ...`` that this chunk's rows score)."""
+
+
+@dataclass(slots=True)
+class StepDescription:
+    seqs: list[StepSeq]
+    copies: list[tuple[int, int, int]]
+    """(cache group, src block, dst block): copy-on-write copies before the forward pass."""
+    finished_ids: list[str]
+    """Requests that ended since the last step (the runner drops their generators)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs

@@ -1,0 +1,207 @@
+"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral with its sliding window, Qwen2, Qwen3)
+with paged attention. Parameter names follow HF so safetensors load as they are."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from kvos.models import ops
+from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
+from kvos.models.config import ModelConfig
+
+
+def take_weight(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """An HF-named tensor; ValueError naming it when missing."""
+    if name not in weights:
+        raise ValueError(f"model: weight {name!r} is missing")
+    return weights[name]
+
+
+def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Copy ``value`` into ``param``; ValueError naming the weight when the shapes differ."""
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"model: weight {name!r} has shape {tuple(value.shape)}, "
+                         f"expected {tuple(param.shape)}")
+    param.data.copy_(value)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise x over its last dimension (``[T, H, D]`` for Qwen3's per-head q/k norms, read
+        in place from the fused projection); with ``residual``, normalise ``x + residual`` and
+        return it too."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"model: rope_scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding:
+    """Non-interleaved (HF ``rotate_half``) rotary embedding; the cos/sin table stays float32."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
+        freqs = torch.outer(t, rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return ops.rotary(positions, q, k, self.cos, self.sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
+        self.window = cfg.layer_window(layer)
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = ops.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = ops.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.hd ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: KVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.nh, self.hd)
+        k = k.view(-1, self.nkv, self.hd)
+        v = v.view(-1, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """Gated MLP: ``down(act_and_mul(gate_up(x)))`` (SiLU for Llama, GELU-tanh for Gemma)."""
+
+    def __init__(self, cfg: ModelConfig, act_and_mul=ops.silu_and_mul) -> None:
+        super().__init__()
+        self.gate_up_proj = ops.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = ops.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_and_mul = act_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, rope, kv_cache, meta, backend):
+        """Returns (this layer's MLP output, the residual stream before it); the next norm adds them."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` takes the flat tokens of a step and returns hidden states; ``compute_logits``
+    projects only the rows that are sampled."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope: RotaryEmbedding | None = None  # set by setup_rope on the model's device
+        self.lm_head = ops.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def setup_rope(self, device: torch.device | str) -> None:
+        """Build the rotary tables on ``device``; the loader calls it once the weights are there."""
+        self.rope = RotaryEmbedding(self.cfg, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache],
+                metas: Sequence[AttentionMetadata], backend: AttentionBackend) -> torch.Tensor:
+        """Layer i writes and reads ``kv_caches[i]`` (its K and V, each ``[num_blocks,
+        block_size, kv_heads, head_dim]``) through the block tables of ``metas[i]`` (its cache
+        group's metadata)."""
+        x, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.rope, kv_caches[i], metas[i], backend)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up. Raises ValueError on a missing or
+        misshapen tensor, naming it."""
+        def take(name: str) -> torch.Tensor:
+            return take_weight(weights, name)
+
+        load_shared_weights(self, weights, lambda norm, name: put(norm.weight, take(name), name))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            if a.q_norm is not None:
+                put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight")
+
+
+def load_shared_weights(model: nn.Module, weights: dict[str, torch.Tensor], put_norm) -> None:
+    """The HF-named weights Llama and Gemma share: embeddings, the final norm (through
+    ``put_norm(module, name)``), lm_head (tied when absent or configured so), and per layer the
+    fused q/k/v (with biases where the layer has them), o_proj, fused gate/up and down."""
+    def take(name: str) -> torch.Tensor:
+        return take_weight(weights, name)
+
+    put(model.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+    put_norm(model.norm, "model.norm.weight")
+    if model.cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        put(model.lm_head.weight, weights["lm_head.weight"], "lm_head.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a = layer.self_attn
+        put(a.qkv_proj.weight, torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+            p + "self_attn.qkv_proj.weight")
+        if a.qkv_proj.bias is not None:
+            put(a.qkv_proj.bias, torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]),
+                p + "self_attn.qkv_proj.bias")
+        put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+        put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")

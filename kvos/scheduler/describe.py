@@ -1,0 +1,42 @@
+"""``describe_step``: the scheduler's live output copied into the plain ``StepDescription`` the
+runner reads. Call on the engine thread right after ``Scheduler.schedule``, before the step's
+output is applied."""
+from __future__ import annotations
+
+from kvos.core.step import SampleTarget, StepDescription, StepSeq
+from kvos.scheduler.scheduler import ScheduledSeq, SchedulerOutput
+
+
+def _target(req) -> SampleTarget:
+    sp = req.sampling_params
+    prev = req.num_pending - 1  # this step's sample is already counted as pending
+    t = SampleTarget(req.request_id, sp, req.sample_index, prev)
+    if sp.needs_history:
+        t.output_ids = req.output_token_ids
+        if sp.repetition_penalty != 1.0:
+            t.prompt_ids = req.prompt_token_ids
+    if len(req.output_token_ids) + prev + 1 < sp.min_tokens:
+        ban = list(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            ban.extend(req.eos_token_ids)
+        t.ban_ids = ban or None
+    return t
+
+
+def _seq(s: ScheduledSeq) -> StepSeq:
+    req = s.request
+    end = s.start + s.num_new_tokens
+    plp = None
+    k = req.sampling_params.prompt_logprobs
+    if k is not None:
+        prompt = req.prompt_token_ids
+        hi = min(end, len(prompt) - 1)
+        if hi > s.start:
+            plp = (k, prompt[s.start + 1: hi + 1])
+    return StepSeq(req.request_id, s.start, s.num_new_tokens, req.all_token_ids[s.start: end],
+                   [[b.block_id for b in t] for t in s.tables], [_target(r) for r in s.samplers], plp)
+
+
+def describe_step(out: SchedulerOutput) -> StepDescription:
+    """The runner's view of ``out``; call before the next ``schedule`` or output update."""
+    return StepDescription([_seq(s) for s in out.seqs], list(out.copies), list(out.finished_ids))

@@ -1,0 +1,102 @@
+"""What one server holds across requests: its engine, tokenizers, tenants, metrics and drain state."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import time
+
+import kvos
+from kvos.engine.async_engine import AsyncEngine
+from kvos.engine.llm_engine import LLMEngine
+from kvos.serve.errors import APIError
+from kvos.serve.limits import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    TokenizerPool,
+    max_token_bytes,
+    min_prompt_tokens,
+)
+from kvos.serve.metrics import ServerMetrics
+from kvos.serve.responses import LogprobFormatter, system_fingerprint
+
+log = logging.getLogger("kvos.serve")
+
+
+class ServerState:
+    def __init__(self, engine: LLMEngine, model_name: str, api_keys: list[str], max_waiting: int,
+                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+        self.engine = engine
+        # a data-parallel front end (kvos.distributed) is its own async engine
+        self.async_engine = engine if hasattr(engine, "submit") else AsyncEngine(engine)
+        self.model_name = model_name
+        self.api_keys = {k: hashlib.sha256(k.encode()).hexdigest()[:32] for k in api_keys}
+        self.max_waiting = max_waiting
+        self.metrics = ServerMetrics(self._stats)
+        # fast tokenizers are not thread-safe: the event loop gets its own instance, the engine
+        # thread keeps the engine's. None: token ids in and out (``require_tokenizer``)
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        # prompts are tokenized on worker threads (each its own copy), never on the event loop or
+        # the engine thread; ``token_bytes`` bounds a text's token count from below by its size
+        self.tokenizers = None if self.tokenizer is None else TokenizerPool(engine.tokenizer, copy.deepcopy)
+        self.token_bytes = None if self.tokenizer is None else max_token_bytes(self.tokenizer)
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.num_tokenizing = 0  # sequences admitted and being tokenized (not yet in num_pending)
+        self.logprobs = LogprobFormatter(self.tokenizer)
+        self.ready = False
+        self.draining = False
+        self.created = int(time.time())
+        self.pin_tenants: dict[str, str | None] = {}  # pin id -> the API-key tenant that made it
+        self.max_model_len: int = engine.max_model_len
+        config = getattr(engine, "config", None)
+        model_id = getattr(engine, "model_id", None) or getattr(getattr(engine, "kv", None), "model_id", model_name)
+        self.fingerprint = system_fingerprint(kvos.__version__, model_id,
+                                              getattr(config, "dtype", None), getattr(config, "device", None))
+
+    def require_tokenizer(self, param: str) -> None:
+        """400 naming ``param`` when this server has no tokenizer (``--skip-tokenizer-init``, or a
+        model without tokenizer files): only token-id prompts to ``/v1/completions`` work then."""
+        if self.tokenizer is None:
+            raise APIError(400, f"{param}: this server has no tokenizer (--skip-tokenizer-init, or a model without "
+                                f"tokenizer files); send prompts as token ids to /v1/completions",
+                           param=param, code="tokenizer_unavailable")
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvos",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+
+    def _stats(self) -> dict:
+        s = self.engine.stats()
+        s["waiting"] += self.async_engine.num_pending + self.num_tokenizing
+        return s
+
+    @contextlib.contextmanager
+    def tokenizing(self, num_seqs: int):
+        """Count ``num_seqs`` admitted sequences as waiting while their prompts are tokenized (so
+        backpressure sees them before they reach the engine)."""
+        self.num_tokenizing += num_seqs
+        try:
+            yield
+        finally:
+            self.num_tokenizing -= num_seqs
+
+    async def drain(self) -> None:
+        """Graceful shutdown, idempotent: from now on ``/health`` is 503 and new work gets 503;
+        requests in flight get up to ``shutdown_timeout_s`` to finish, then are cut (a stream ends
+        with an error event and ``[DONE]``, a plain request gets 503)."""
+        self.draining = True
+        await self.async_engine.drain(timeout=self.shutdown_timeout_s)
+        if self.async_engine.num_in_flight:
+            n = await self.async_engine.cut_all(f"the server shut down before this request finished "
+                                                f"(--shutdown-timeout-s {self.shutdown_timeout_s:g})")
+            log.warning("shutdown deadline (%ss) reached; cut %d requests", self.shutdown_timeout_s, n)
+
+    def check_fits(self, text: str, param: str) -> None:
+        """400 naming ``param`` when ``text`` cannot fit the context whatever it tokenizes to
+        (its size alone proves it is at least ``max_model_len`` tokens); nothing is tokenized."""
+        n = min_prompt_tokens(text, self.token_bytes)
+        if n >= self.max_model_len:
+            raise APIError(400, f"{param} is too long: its {len(text.encode('utf-8', 'surrogatepass'))} bytes are at "
+                                f"least {n} tokens (a token is at most {self.token_bytes} bytes); max_model_len is "
+                                f"{self.max_model_len}, which leaves no room for output", param=param,
+                           code="context_length_exceeded")

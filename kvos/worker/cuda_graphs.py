@@ -1,0 +1,87 @@
+"""Whole decode steps captured as CUDA graphs at a ladder of batch sizes."""
+from __future__ import annotations
+
+import torch
+
+from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to ``max_batch`` (which is always included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """The model's forward pass (embeddings to final norm) for ``b`` decode tokens, one per
+    sequence, replayed from static input buffers (a slot mapping and block tables per cache
+    group).
+
+    A step of ``n`` sequences runs the smallest captured batch ``b >= n``; rows ``n..b`` are
+    padding: their slot is -1 (nothing is written to the cache), they read block 0 and their
+    outputs are dropped. Steps with a sequence longer than ``max_blocks`` blocks, or more than
+    the largest batch, run eagerly.
+
+    Safety rules: the KV pool and the model must outlive the graphs (replays use their
+    addresses); the hidden states returned by ``run`` are overwritten by the next replay.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_layers: list[KVCache], layer_group: list[int],
+                 num_groups: int, backend: AttentionBackend, block_size: int, max_batch: int,
+                 max_blocks: int) -> None:
+        dev = kv_layers[0].k.device
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.sizes = batch_ladder(max_batch)
+        self.max_batch = self.sizes[-1]
+        b = self.max_batch
+        self.input_ids = torch.zeros(b, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.long, device=dev)
+        self.slots = torch.full((num_groups, b), -1, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(num_groups, b, max_blocks, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            metas = [AttentionMetadata(slot_mapping=self.slots[g, :size], block_tables=self.tables[g, :size],
+                                       seq_lens=self.seq_lens[:size], query_lens_list=[], seq_lens_list=[],
+                                       num_decodes=size, block_size=block_size) for g in range(num_groups)]
+            layer_metas = [metas[g] for g in layer_group]
+
+            def step(size=size, layer_metas=layer_metas):
+                return model(self.input_ids[:size], self.positions[:size], kv_layers, layer_metas, backend)
+
+            stream = torch.cuda.Stream(device=dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):  # warm up (kernel compilation, allocator) off the graph
+                step()
+                step()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = step()
+            pool = graph.pool()
+            self.graphs[size] = graph
+        for graph in self.graphs.values():  # the first replay uploads a graph: do it here, not mid-run
+            graph.replay()  # all rows are padding: nothing is written to the cache
+        torch.cuda.synchronize(dev)
+
+    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.max_batch and max_blocks <= self.max_blocks
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of n decode tokens (inputs on the device; ``slots``
+        ``[groups, n]``, ``tables`` ``[groups, n, width]``)."""
+        _, n, width = tables.shape
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:, :n].copy_(slots)
+        self.slots[:, n:size].fill_(-1)
+        self.tables[:, :n, :width].copy_(tables)
+        self.seq_lens[:n].copy_(seq_lens)
+        self.seq_lens[n:size].fill_(1)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]

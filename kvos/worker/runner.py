@@ -1,0 +1,422 @@
+"""The tensor side of the engine: owns the model, the paged K/V tensors and the sampler."""
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvos.cache.layout import CacheLayout
+from kvos.core.step import SampleTarget, StepDescription
+from kvos.kernels.kv_quant import TORCH_DTYPES as QUANTIZED_TORCH_DTYPES
+from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
+from kvos.models.loader import load_model
+from kvos.models.ops import triton_enabled
+from kvos.worker.block_digest import page_digests
+from kvos.worker.cuda_graphs import DecodeGraphs
+from kvos.worker.host_copies import as_words, to_device
+from kvos.worker.sampler import (
+    PendingPromptLogprobs,
+    PendingSamples,
+    PromptLogprobRows,
+    SampledToken,
+    Sampler,
+    SampleRow,
+    prompt_logprobs,
+)
+from kvos.worker.torch_attention import TorchReferenceBackend
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its sampling targets and their samples in flight, and the
+    prompt logprobs of its prefill chunks that asked for them."""
+
+    targets: list[str]
+    samples: PendingSamples | None
+    prompt_logprobs: PendingPromptLogprobs | None = None
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def default_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on a CUDA GPU where triton is installed; the torch reference elsewhere
+    (and whenever ``KVOS_TRITON=0``)."""
+    if device.type == "cuda" and triton_enabled():
+        from kvos.worker.triton_attention import TritonBackend
+
+        return TritonBackend()
+    return TorchReferenceBackend()
+
+
+def zeroed_bytes(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zero bytes (uint8) on ``device``. On the CPU an anonymous private mapping, which the
+    kernel zero-fills page by page on first touch: a pool costs the memory and time of the pages
+    its blocks use, where ``torch.zeros`` writes every byte up front (about 1.5 s for the default
+    2 GiB on the 2-core VM). The tensor keeps the mapping alive."""
+    if torch.device(device).type != "cpu" or n == 0:
+        return torch.zeros(n, dtype=torch.uint8, device=device)
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
+
+
+class ModelRunner:
+    """Executes one scheduled step: copy-on-write copies, the forward pass, sampling.
+
+    The KV pool is one zero-initialised buffer of ``num_pages`` large pages (so padding and the
+    null block are finite). Cache group g views it as ``[num_blocks_g, layer_slots_g, 2,
+    block_size, kv_heads, head_dim]`` (page-major: one block holds every layer of its group);
+    block ids of group g index the first dimension, and layer l reads the slot its group gives
+    it (``kv_layers[l]``). A quantized group's page holds its float32 scales ``[layer_slots_g, 2,
+    kv_heads, block_size]`` after the data (``KVCacheSpec.data_bytes``), so a block's bytes are
+    self-contained.
+    """
+
+    def __init__(self, model_path: Path, dtype: torch.dtype, device: torch.device,
+                 backend: AttentionBackend | None = None, random_weights: bool = False) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.cfg, self.model = load_model(model_path, dtype, device, random_weights)
+        self.backend = backend or default_backend(device)
+        self.graphs: DecodeGraphs | None = None
+        self.sampler = Sampler()
+        self.layout: CacheLayout | None = None
+        self.kv_buffer: torch.Tensor | None = None
+        self.group_caches: list[torch.Tensor] = []
+        """Per cache group: ``[num_blocks, layer_slots, 2, block_size, kv_heads, head_dim]``."""
+        self.group_scales: list[torch.Tensor | None] = []
+        """Per quantized cache group: its float32 scales ``[num_blocks, layer_slots, 2, block_size, kv_heads]``."""
+        self.group_pages: list[torch.Tensor] = []
+        """Per cache group: its blocks as ``uint8 [num_blocks, page_bytes]`` rows (data and scales)."""
+        self.kv_layers: list[KVCache] = []
+        """Per model layer: its (K, V) views ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        self.layer_group: list[int] = []
+        self.block_size = 0
+        self._generators: dict[str, torch.Generator] = {}
+        self._last_tokens: torch.Tensor | None = None
+        self._last_targets: list[str] = []
+        """Device tokens sampled by the last launch, and the target of each row."""
+        self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
+        """Called with (request ids, float32 logits rows) each step before sampling; a debugging
+        and testing aid that must not modify the tensor."""
+
+    @torch.inference_mode()
+    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+        """Bytes left for the KV pool on this GPU: ``gpu_memory_utilization`` of its memory minus
+        what other processes and the CUDA context hold, the weights, and the peak activations of
+        one prefill step of ``max_num_batched_tokens`` tokens (run here on a scratch cache)."""
+        c, dev = self.cfg, self.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        bs = 16
+        nb = -(-max_num_batched_tokens // bs) + 1
+        scratch = torch.zeros(c.num_layers, 2, nb, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=dev)
+        layers = [KVCache(scratch[i, 0], scratch[i, 1]) for i in range(c.num_layers)]
+        n = max_num_batched_tokens
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(bs, bs + n, device=dev),
+            block_tables=torch.arange(1, nb, dtype=torch.int32, device=dev)[None, :],
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), query_lens_list=[n], seq_lens_list=[n],
+            num_decodes=0, block_size=bs, prefill_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            max_prefill_len=n)
+        ids = torch.randint(0, c.vocab_size, (n,), device=dev)
+        hidden = self.model(ids, torch.arange(n, device=dev), layers, [meta] * c.num_layers, self.backend)
+        self.model.compute_logits(hidden[: min(n, 256)])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch.numel() * scratch.element_size()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        others = total - free - torch.cuda.memory_reserved(dev)
+        return max(0, int(total * gpu_memory_utilization - others - peak))
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_context: int = 8192) -> None:
+        """CUDA graphs for decode steps of up to ``max_num_seqs`` sequences of up to
+        ``min(max_model_len, max_context)`` tokens (longer or larger steps run eagerly). A graph's
+        decode kernel splits the context for the longest table it can hold, so a larger
+        ``max_context`` serves long contexts at graph speed and short ones a little slower."""
+        assert self.kv_buffer is not None, "allocate_kv_cache first"
+        max_blocks = -(-min(max_model_len, max_context) // self.block_size)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.kv_layers, self.layer_group, len(self.group_caches),
+                                       self.backend, self.block_size, min(max_num_seqs, 256), max_blocks)
+
+    def allocate_kv_cache(self, layout: CacheLayout, num_pages: int) -> None:
+        """One zeroed buffer of ``num_pages`` large pages, viewed per group and per layer."""
+        c = self.cfg
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.kv_buffer = zeroed_bytes(num_pages * layout.large_page_bytes, self.device)
+        self.group_caches, self.group_scales, self.group_pages = [], [], []
+        for g, group in enumerate(layout.groups):
+            s = group.spec
+            nb = num_pages * layout.blocks_per_large_page(g)
+            storage = QUANTIZED_TORCH_DTYPES.get(s.dtype) or parse_dtype(s.dtype)
+            elem = torch.empty(0, dtype=storage).element_size()
+            shape = (nb, s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
+            assert s.page_bytes % elem == 0
+            inner = torch.empty(shape[1:], device="meta").stride()
+            self.group_caches.append(self.kv_buffer.view(storage).as_strided(shape, (s.page_bytes // elem, *inner)))
+            self.group_pages.append(self.kv_buffer.view(nb, s.page_bytes))
+            scales = None
+            if s.quantized:
+                assert s.page_bytes % 4 == 0 and s.data_bytes % 4 == 0
+                # stored [layer slots, 2, kv_heads, block_size]: one head's scales of a block are
+                # contiguous (coalesced loads in the attention kernels); viewed [.., block_size, kv_heads]
+                sshape = shape[:-1]
+                kvh, bs = s.num_kv_heads, s.block_size
+                scales = self.kv_buffer.view(torch.float32).as_strided(
+                    sshape, (s.page_bytes // 4, 2 * kvh * bs, kvh * bs, 1, bs), s.data_bytes // 4)
+            self.group_scales.append(scales)
+        self.kv_layers, self.layer_group = [], []
+        for layer in range(c.num_layers):
+            g, slot = layout.layer_slot(layer)
+            view, scales = self.group_caches[g], self.group_scales[g]
+            if scales is None:
+                self.kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1]))
+            else:
+                self.kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1], scales[:, slot, 0], scales[:, slot, 1]))
+            self.layer_group.append(g)
+
+    READ_CHUNK_BYTES = 256 << 20
+    """Most device memory ``read_blocks`` gathers into at once (before each device-to-host copy)."""
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across its group's layers, scales included (one row of ``read_blocks``)."""
+        return self.block_pages().shape[1]
+
+    def block_pages(self) -> torch.Tensor:
+        """The KV tensor as ``uint8 [num_blocks, block_bytes]`` (one row per block, page-major);
+        only with a single cache group."""
+        if len(self.group_pages) != 1:
+            raise ValueError("block reads and writes (tiers, swap) need a single cache group")
+        return self.group_pages[0]
+
+    def read_blocks(self, block_ids: list[int], digests_out: list[int] | None = None) -> torch.Tensor:
+        """The blocks' bytes as rows of a host ``uint8`` tensor ``[n, block_bytes]`` (each row
+        a whole page: ``[num_layers, 2, block_size, kv_heads, head_dim]`` values of the cache
+        dtype, then a quantized cache's scales), pinned when the pool is on a GPU: one gather
+        and one device-to-host copy per ``READ_CHUNK_BYTES``; returns when the copy is complete.
+        ``digests_out``, when given, is extended with each row's ``block_digests`` value,
+        computed on the device. Only valid while the blocks' content is
+        what their owner says: call before the blocks are handed to someone else."""
+        pages = self.block_pages()
+        n, bb = len(block_ids), pages.shape[1]
+        idx = to_device(block_ids, torch.long, pages.device)
+        if digests_out is not None:
+            digests_out.extend(page_digests(pages, block_ids).tolist())
+        if pages.device.type == "cpu":
+            return pages[idx]
+        host = torch.empty(n, bb, dtype=torch.uint8, pin_memory=True)
+        words = as_words(pages)
+        step = max(1, self.READ_CHUNK_BYTES // bb)
+        for i in range(0, n, step):
+            host[i: i + step].copy_(words[idx[i: i + step]].view(torch.uint8))
+        return host
+
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' bytes as a new ``uint8 [n, block_bytes]`` tensor on the pool's device,
+        gathered on the current stream (so after every step queued before). Only valid while
+        the blocks' content is what their owner says."""
+        pages = self.block_pages()
+        return as_words(pages).index_select(0, to_device(block_ids, torch.long, pages.device)).view(torch.uint8)
+
+    def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Fill ``block_ids`` from ``rows`` (``uint8 [n, block_bytes]`` as ``read_blocks``
+        returns, contiguous, on any device) with one device-side scatter, queued on the current
+        stream. Only into blocks their request owns, and only rows read from a pool of the same
+        cache spec (the hash root includes the KV dtype, so a tier never offers another's). A
+        host ``rows`` is copied to the device first (asynchronously when pinned: torch keeps its
+        memory until the copy is done)."""
+        pages = self.block_pages()
+        if rows.shape[1:] != pages.shape[1:]:
+            raise ValueError(f"block rows of {rows.shape[1]} bytes do not fit pages of {pages.shape[1]}")
+        src = rows.to(pages.device, non_blocking=True)
+        words, src_words = as_words(pages), as_words(src)
+        if words.dtype != src_words.dtype:
+            words, src_words = pages, src
+        words.index_copy_(0, to_device(block_ids, torch.long, pages.device), src_words)
+
+    def _generator(self, t: SampleTarget) -> torch.Generator | None:
+        seed = t.params.seed
+        if seed is None or t.params.greedy:
+            return None
+        gen = self._generators.get(t.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed((seed + 0x9E3779B97F4A7C15 * t.sample_index) % (1 << 63))
+            self._generators[t.request_id] = gen
+        return gen
+
+    @staticmethod
+    def _history(sr: SampleRow, t: SampleTarget, last_rows: dict[str, int]) -> None:
+        """What the sampler needs to adjust ``t``'s logits: its generated tokens (the one the
+        previous step sampled, not yet delivered with async scheduling, read on the device), its
+        prompt (repetition penalty), and its banned stop tokens before ``min_tokens``."""
+        prev = t.prev_pending
+        if prev > 1 or (prev == 1 and t.request_id not in last_rows):
+            raise RuntimeError(f"request {t.request_id}: {prev} generated tokens are pending "
+                               f"but the previous step sampled at most one")
+        if t.output_ids is not None:
+            sr.output_ids = t.output_ids
+            sr.pending_src = last_rows[t.request_id] if prev == 1 else -1
+            sr.prompt_ids = t.prompt_ids
+        sr.ban_ids = t.ban_ids
+
+    def _prepare(self, step: StepDescription):
+        seqs = sorted(step.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
+        bs = self.block_size
+        n = len(seqs)
+        qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, n)
+        starts = np.fromiter((s.start for s in seqs), np.int64, n)
+        seq_lens = starts + qlens
+        G = len(self.group_caches)
+        block_lists = [s.block_ids for s in seqs]  # per sequence, per group; every group's table is as long
+        tables = np.zeros((G, n, max(len(b[0]) for b in block_lists)), np.int32)
+        logit_rows, row_ids, sample_rows, targets, ids = [], [], [], [], []
+        plp_rows: list[int] = []  # rows scoring the next prompt token (prompt logprobs)
+        plp_entries: list[PromptLogprobRows] = []
+        feed_dst, feed_src = [], []  # input positions whose token is still on the device
+        last_rows: dict[str, int] | None = None
+        t = 0
+        for i, s in enumerate(seqs):
+            known = s.token_ids
+            ids.extend(known)
+            if len(known) < s.num_new_tokens:
+                if last_rows is None:
+                    last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
+                rid = s.request_id
+                if rid not in last_rows or s.num_new_tokens - len(known) != 1:
+                    raise RuntimeError(f"request {rid}: an input token is pending but was not "
+                                       f"sampled by the previous step")
+                feed_dst.append(len(ids))
+                feed_src.append(last_rows[rid])
+                ids.append(0)
+            for g, blocks in enumerate(block_lists[i]):
+                tables[g, i, : len(blocks)] = blocks
+            if s.prompt_logprobs is not None:  # row p scores prompt token p + 1 (the last prompt row samples)
+                k, scored = s.prompt_logprobs
+                plp_rows.extend(range(t, t + len(scored)))
+                plp_entries.append(PromptLogprobRows(s.request_id, s.start + 1, scored, k))
+            t += s.num_new_tokens
+            if s.samplers:
+                row = len(logit_rows)
+                logit_rows.append(t - 1)
+                row_ids.append(s.request_id)
+                for target in s.samplers:
+                    sr = SampleRow(row, target.params, self._generator(target))
+                    if target.params.adjusts_logits:
+                        if last_rows is None:
+                            last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
+                        self._history(sr, target, last_rows)
+                    sample_rows.append(sr)
+                    targets.append(target.request_id)
+        ends = np.cumsum(qlens)
+        positions = np.arange(ends[-1]) - np.repeat(ends - qlens - starts, qlens)
+        slots = tables[:, np.repeat(np.arange(n), qlens), positions // bs].astype(np.int64) * bs + positions % bs
+        nd = int(np.count_nonzero(qlens == 1))
+        prefill_loc = np.concatenate([[0], np.cumsum(qlens[nd:])])
+        # one host-to-device copy for every int64 input of the step (and one for the tables)
+        plp_targets = [tok for e in plp_entries for tok in e.token_ids]
+        packed = np.concatenate([ids, positions, slots.reshape(-1), logit_rows, feed_dst, feed_src, seq_lens,
+                                 prefill_loc, plp_rows, plp_targets]).astype(np.int64)
+        packed = to_device(packed, torch.int64, self.device)
+        T, L, F, P = len(ids), len(logit_rows), len(feed_dst), len(plp_rows)
+        input_ids, pos_t = packed[:T], packed[T : 2 * T]
+        slots_t = packed[2 * T : (2 + G) * T].view(G, T)
+        o = (2 + G) * T
+        logit_idx = packed[o : o + L]
+        if F:
+            assert self._last_tokens is not None
+            dst, src = packed[o + L : o + L + F], packed[o + L + F : o + L + 2 * F]
+            input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
+        rest = packed[o + L + 2 * F : len(packed) - 2 * P].to(torch.int32)
+        plp = None
+        if P:
+            plp = (plp_entries, packed[len(packed) - 2 * P : len(packed) - P], packed[len(packed) - P :])
+        tables_t = to_device(tables, torch.int32, self.device)
+        qlist, slist = qlens.tolist(), seq_lens.tolist()
+        max_prefill = int(qlens[nd:].max()) if nd < n else 0
+        metas = [AttentionMetadata(
+            slot_mapping=slots_t[g], block_tables=tables_t[g], seq_lens=rest[:n], query_lens_list=qlist,
+            seq_lens_list=slist, num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
+            max_prefill_len=max_prefill) for g in range(G)]
+        return input_ids, pos_t, metas, tables_t, slots_t, logit_idx, row_ids, sample_rows, targets, plp
+
+    @torch.inference_mode()
+    def execute(self, step: StepDescription) -> dict[str, SampledToken]:
+        """Run one step; returns a sampled token for every sampling target of the step."""
+        return self.collect(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: StepDescription) -> LaunchedStep:
+        """Queue one step on the device (copy-on-write copies, forward pass, sampling) without
+        waiting for it. Inputs still pending on the host (async scheduling) are read on the
+        device from the tokens sampled by the previous ``launch``, which must therefore be the
+        step before this one. Safety rule: launches are serialised on one stream, so a step
+        sees every write of the steps launched before it."""
+        for rid in step.finished_ids:
+            self._generators.pop(rid, None)
+        assert self.kv_buffer is not None, "allocate_kv_cache first"
+        for group, src, dst in step.copies:
+            self.group_pages[group][dst].copy_(self.group_pages[group][src])
+        if step.is_empty:
+            return LaunchedStep([], None)
+        (input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets,
+         plp) = self._prepare(step)
+        meta, g = metas[0], self.graphs
+        if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
+                g.can_run(meta.num_decodes, tables.shape[2]):
+            hidden = g.run(input_ids, positions, slots, tables, meta.seq_lens)
+        else:
+            layer_metas = [metas[g] for g in self.layer_group]
+            hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
+        pending_plp = self._launch_prompt_logprobs(hidden, *plp) if plp is not None else None
+        if not row_ids:
+            return LaunchedStep([], None, pending_plp)
+        logits = self.model.compute_logits(hidden[logit_idx])
+        if self.logits_hook is not None:
+            self.logits_hook(row_ids, logits)
+        pending = self.sampler.launch(logits, sample_rows, self._last_tokens)
+        self._last_tokens, self._last_targets = pending.tokens, targets
+        return LaunchedStep(targets, pending, pending_plp)
+
+    def _launch_prompt_logprobs(self, hidden: torch.Tensor, entries: list[PromptLogprobRows],
+                                rows: torch.Tensor, targets: torch.Tensor) -> PendingPromptLogprobs:
+        """Score the step's prompt-logprob rows on the device (float32 log_softmax, one gather
+        for the prompt tokens, top-k with the largest k asked this step) and queue one copy of
+        the results to the host."""
+        vocab = self.cfg.vocab_size
+        assert vocab < 1 << 24, "token ids travel as float32"
+        top = min(max(e.k for e in entries), vocab)
+        res = prompt_logprobs(self.model.compute_logits, hidden[rows], targets, top, vocab)
+        out = PendingPromptLogprobs(entries, self.sampler._to_host(res), top)
+        if res.device.type == "cuda":
+            out.ready = torch.cuda.Event()
+            out.ready.record()
+        return out
+
+    def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
+        """Wait for a launched step's samples: a token for every sampling target."""
+        if step.samples is None:
+            return {}
+        return dict(zip(step.targets, self.sampler.collect(step.samples)))
+
+    @staticmethod
+    def collect_prompt_logprobs(step: LaunchedStep) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """Wait for a launched step's prompt logprobs: per request id that asked for them and
+        had prompt rows in the step, (first prompt position scored, one {token: logprob} per
+        position). Positions start at 1: the first prompt token has no logprob."""
+        return step.prompt_logprobs.collect() if step.prompt_logprobs is not None else {}

@@ -1,0 +1,35 @@
+"""Paged attention on a CUDA GPU through the Triton kernels of ``kvos.kernels``."""
+from __future__ import annotations
+
+import torch
+
+from kvos.kernels.cache_write import write_kv
+from kvos.kernels.decode_attention import paged_decode_attention
+from kvos.kernels.prefill_attention import paged_prefill_attention
+from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
+
+
+class TritonBackend(AttentionBackend):
+    """K/V are written into their slots first; decodes then run the split-context decode
+    kernel and prefill chunks the varlen causal kernel, both reading only the paged cache.
+
+    Sliding-window layers read only the blocks inside their window. Quantized caches are
+    quantized by the write kernel and dequantized inside the attention kernels. Decode-only steps do no
+    host synchronisation and depend on tensor shapes alone, so they can be captured in a CUDA
+    graph (``num_splits`` is fixed per batch shape).
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        k_cache, v_cache, k_scale, v_scale = cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                   scale, out=out[:nd], window=window, k_scale=k_scale, v_scale=v_scale)
+        if nd < q.shape[0]:
+            paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
+                                    meta.seq_lens[nd:], meta.max_prefill_len, scale, out=out[nd:], window=window,
+                                    k_scale=k_scale, v_scale=v_scale)
+        return out

@@ -1,0 +1,93 @@
+"""``kvos serve --transport process``: the engine loop in a process of its own (no Ray), driven
+by a real HTTP client; the fault is a real process kill."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+
+from kvos import SamplingParams
+from tests.support.server import Server, engines, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--transport", "process", "--max-model-len", "1024", "--num-blocks", "256").wait_ready(timeout=600)
+    yield s
+    assert s.stop() == 0
+    assert "did not stop" not in s.output()  # the engine processes shut down when asked, not killed
+
+
+def test_outputs_equal_the_in_process_engine(server, llm):
+    state = engines(server)
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "engines_up": 1}
+    assert state[0]["pid"] not in (server.proc.pid, os.getpid())  # the engine runs elsewhere
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in refs]
+    text = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt=prompts[1], max_tokens=16, temperature=0, stream=True))
+    assert text == refs[1].outputs[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                          temperature=0, seed=3)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
+
+
+def test_pins_go_through_to_the_engine_process(server):
+    """A pinned prefix is computed and held in the engine process: it is listed with its blocks,
+    a request sharing it hits all of them, and it can be deleted once."""
+    url = f"{server.url}/v1/cache/pins"
+    system = "You are the support bot of ACME. Answer in two sentences. " * 4
+    pin = httpx.post(url, json={"prompt": system, "ttl_s": 600}, timeout=120)
+    assert pin.status_code == 200, pin.text
+    body = pin.json()
+    assert body["pinned_blocks"] >= 2 and body["pinned_tokens"] == 16 * body["pinned_blocks"]
+    assert 0 < body["expires_in_s"] <= 600
+    listed = httpx.get(url).json()["data"]
+    assert [(p["id"], p["pinned_blocks"]) for p in listed] == [(body["id"], body["pinned_blocks"])]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": system + "Hello?",
+                                                          "max_tokens": 2}, timeout=120).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= body["pinned_tokens"]
+    assert httpx.delete(f"{url}/{body['id']}").status_code == 200
+    assert httpx.delete(f"{url}/{body['id']}").status_code == 404 and httpx.get(url).json()["data"] == []
+
+
+def test_a_killed_engine_process_ends_its_stream_and_comes_back(server, llm):
+    """SIGKILL the engine process mid-stream: the stream ends with an engine_unavailable error
+    event and [DONE] (never a hang), the server stays up, the engine process is started anew and
+    serves the same outputs."""
+    events: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(120)
+    victim = engines(server)[0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    t.join(300)
+    assert not t.is_alive() and events[-1] == "[DONE]"
+    assert any(json.loads(e).get("error", {}).get("code") == "engine_unavailable" for e in events[:-1]), events[-3:]
+    wait_until(lambda: engines(server)[0].get("up") == 1.0 and engines(server)[0].get("pid") not in (None, victim),
+               timeout=300)
+    ref = llm.generate(["The speed of light is"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "The speed of light is",
+                                                          "max_tokens": 12, "temperature": 0}, timeout=300)
+    assert r.json()["choices"][0]["text"] == ref.outputs[0].text

@@ -1,0 +1,121 @@
+"""Gemma 3 270M, a hybrid model (15 sliding-window layers of window 512, 3 full-attention layers),
+in the engine on the CPU in fp32, against transformers on the same GGUF: greedy tokens identical
+and per-step logits within 1e-3 of the largest, on prompts shorter than and about three times
+the window, whatever the KV layout, block size, prefix caching, prefill chunking, preemption and
+n = 2 forking (the layouts and block sizes on prompts of up to two windows)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvos import LLM, SamplingParams
+from tests.support.hf_reference import hf_greedy
+from tests.support.prompts import LONG_DOC
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+KV_BYTES = 128 << 20
+WINDOW = 512
+
+
+@pytest.fixture(scope="module")
+def base(gemma_path):
+    return LLM(model=str(gemma_path), kv_cache_memory_bytes=KV_BYTES)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(base):
+    tok = base.get_tokenizer()
+    texts = ["The capital of France is", "Once upon a time, in a small village by the sea,",
+             "Summarise the following report.\n\n" + LONG_DOC + "\n\nSummary:",
+             "Continue the ledger.\n\n" + LONG_DOC[: len(LONG_DOC) // 2] + "\n\nNext item:"]
+    ids = [tok(t).input_ids for t in texts]
+    assert ids[0][0] == tok.bos_token_id
+    assert len(ids[0]) < 16 and len(ids[2]) > 3 * WINDOW and WINDOW < len(ids[3]) < 2 * WINDOW, [len(i) for i in ids]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_hf, prompt_ids):
+    return [hf_greedy(gemma_hf, ids, NEW_TOKENS) for ids in prompt_ids]
+
+
+def run(llm: LLM, prompt_ids, n: int = 1):
+    logits: dict[str, list[torch.Tensor]] = {}
+    llm.engine.runner.logits_hook = lambda ids, rows: [logits.setdefault(i, []).append(r.clone())
+                                                       for i, r in zip(ids, rows)]
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=n),
+                            use_tqdm=False)
+    finally:
+        llm.engine.runner.logits_hook = None
+    return outs, logits
+
+
+def test_greedy_tokens_and_logits_match_transformers(base, prompt_ids, reference):
+    assert len(base.engine.layout.groups) == 2  # full attention (3 layers) + sliding window (15)
+    outs, logits = run(base, prompt_ids)
+    for o, (ref_tokens, ref_logits) in zip(outs, reference):
+        assert o.outputs[0].token_ids == ref_tokens
+        ours = logits[o.request_id]
+        assert len(ours) == NEW_TOKENS
+        for step, (a, b) in enumerate(zip(ours, ref_logits)):
+            err, tol = (a - b).abs().max().item(), 1e-3 * b.abs().max().item()
+            assert err <= tol, f"step {step} of a {len(o.prompt_token_ids)}-token prompt: {err:.2e} > {tol:.2e}"
+    assert base.stats()["used"] == 0
+
+
+@pytest.mark.parametrize("options", [
+    dict(block_size=32),
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=96),  # chunked prefill across the window
+    dict(max_num_batched_tokens=256, num_blocks=80),  # too small for all at once: preemption
+    dict(kv_layout="equal_pages"),
+    dict(kv_layout="homogeneous"),
+], ids=["block32", "no-prefix-caching", "chunked", "preemption", "equal-pages", "homogeneous"])
+def test_cache_never_changes_the_answer(gemma_path, prompt_ids, reference, options):
+    # the three-window prompt (the slowest to prefill on the CPU) where the scheduling changes:
+    # chunks and preemption; the layouts and block sizes on prompts of up to two windows
+    keep = range(4) if "max_num_batched_tokens" in options else (0, 1, 3)
+    prompts, expected = [prompt_ids[i] for i in keep], [reference[i][0] for i in keep]
+    llm = LLM(model=str(gemma_path), **{"kv_cache_memory_bytes": KV_BYTES, **options})
+    for attempt in range(2 if llm.engine.kv.enable_caching else 1):  # the second pass hits the cache
+        outs, _ = run(llm, prompts)
+        assert [o.outputs[0].token_ids for o in outs] == expected, (options, attempt)
+    stats = llm.stats()
+    if "num_blocks" in options:
+        assert stats["preemptions"] > 0
+    if llm.engine.kv.enable_caching:
+        assert stats["prefix_hits_tokens"] > 0
+    assert stats["used"] == 0
+
+
+def test_n2_forks_share_the_prompt(base, prompt_ids, reference):
+    outs, _ = run(base, prompt_ids[2:], n=2)
+    for o, (ref_tokens, _) in zip(outs, reference[2:]):
+        assert [c.token_ids for c in o.outputs] == [ref_tokens, ref_tokens]
+
+
+def test_sliding_group_holds_only_the_window(gemma_path, prompt_ids):
+    """While the longest prompt (more than three windows) decodes, its sliding-window table holds the
+    window's blocks (plus the block being filled), not the whole context."""
+    llm = LLM(model=str(gemma_path), kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=128)
+    bs = llm.engine.layout.block_size
+    held: list[tuple[int, int, int]] = []
+
+    def hook(out) -> None:
+        for s in out.seqs:
+            full, sliding = llm.engine.kv.block_tables(s.request.request_id)
+            held.append((s.start, sum(not b.is_null for b in full), sum(not b.is_null for b in sliding)))
+
+    llm.engine.schedule_hook = hook
+    llm.generate([{"prompt_token_ids": prompt_ids[2]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    start, full, sliding = held[-1]
+    assert full == -(-(start + 1) // bs)
+    assert sliding <= -(-(WINDOW - 1) // bs) + 2 < full / 2, held[-1]
+    assert max(s for _, _, s in held) <= -(-(WINDOW - 1 + 128) // bs) + 2
+    stats = llm.stats()
+    assert [g["kind"] for g in stats["groups"]] == ["full_attention", "sliding_window"]
+    assert stats["used"] == 0
