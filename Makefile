@@ -19,7 +19,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: install  # serves the default model on 127.0.0.1:8000 and prints how to call it
 	$(BIN)/kvos serve
 
-test: install  # the CPU suite: on the CPU even where a GPU is visible (--device auto would take it)
+test: install  # the layer contract, then the CPU suite: on the CPU even where a GPU is visible (--device auto would take it)
+	$(BIN)/lint-imports
 	.ci/ensure-redis
 	CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
