@@ -1,5 +1,5 @@
 """``kvos bench tier-bandwidth``: how fast blocks loaded from a CPU tier land in device blocks,
-through the engine's own load path, as a fraction of a plain pinned host-to-device copy on the
+through the engine's own load path, as a fraction of a plain page-locked host-to-device copy on the
 same machine; how fast write-through stores them (the first store, then warm ones); and the
 host's checksum rate, which bounds loads verified on the host."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run(a: argparse.Namespace) -> dict:
     from kvos.bench.machine import machine_info
     from kvos.cache.tiers import CPUTier, TierHierarchy, allocate_bytearray
     from kvos.cache.tiers.codec import checksum
-    from kvos.connector.host_memory import PinnedAllocator
+    from kvos.connector.host_memory import PageLockedAllocator
     from kvos.connector.tier_io import TierIO, host_digest
     from kvos.worker.runner import ModelRunner
 
@@ -49,7 +49,7 @@ def run(a: argparse.Namespace) -> dict:
     runner.group_pages = [kv.view(a.blocks + 1, -1).view(torch.uint8)]
     expected = kv[1:].clone()
     bb = runner.block_bytes
-    tier = CPUTier(2 * (bb + 128) * (a.blocks + 8), PinnedAllocator() if cuda else allocate_bytearray,
+    tier = CPUTier(2 * (bb + 128) * (a.blocks + 8), PageLockedAllocator() if cuda else allocate_bytearray,
                    digest_fn=host_digest if device_verify else None)
     tier_io = TierIO(TierHierarchy([tier]), runner, a.verify_threads)
     ids = list(range(1, a.blocks + 1))

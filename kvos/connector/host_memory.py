@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 
-class PinnedAllocator:
+class PageLockedAllocator:
     """An ``allocate(nbytes) -> memoryview`` for ``SlotArena``: each call pins a new
     ``torch.uint8`` tensor and returns a view of its memory. The tensors are kept here for the
     allocator's lifetime (the memoryview's numpy base also references its tensor), so the views

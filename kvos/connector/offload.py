@@ -40,9 +40,9 @@ def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_
         tiers.append(TransferTier(int(transfer_gb * GIB)))
     if cpu_cache_gb:
         if pinned:
-            from kvos.connector.host_memory import PinnedAllocator
+            from kvos.connector.host_memory import PageLockedAllocator
 
-            allocate = PinnedAllocator()
+            allocate = PageLockedAllocator()
         else:
             allocate = allocate_bytearray
         tiers.append(CPUTier(int(cpu_cache_gb * GIB), allocate, digest_fn=host_digest if device_verify else None))

@@ -64,7 +64,7 @@ class TierIO:
     On a GPU each block's host-to-device copy is issued on a dedicated copy stream as soon as
     its checksum is verified (verifying later blocks overlaps the DMA of this one), into one
     staging tensor per load (``StagedRows``: blocks in consecutive CPU-tier slots move in one
-    copy of up to ``COPY_RUN_BYTES``). CPU-tier slots are pinned memory (``PinnedAllocator``), so a copy
+    copy of up to ``COPY_RUN_BYTES``). CPU-tier slots are page-locked memory (``PageLockedAllocator``), so a copy
     from a slot is a direct asynchronous DMA; payloads from the disk or Redis tiers are
     pageable bytes, which CUDA stages itself. The staging tensor is allocated on the copy
     stream; ``install`` makes the compute stream wait for ``ready`` and marks the tensor used

@@ -53,7 +53,7 @@ class _PendingPin:
 
 
 @dataclass
-class _Group:
+class _UserRequest:
     """The ``n`` sequences of one user request and their text."""
 
     request_id: str
@@ -174,8 +174,8 @@ class LLMEngine:
         self._adopter = BlockAdopter(self.kv, self.runner)
         if config.preemption_mode == "swap":
             self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))
-        self._groups: dict[str, _Group] = {}
-        self._seq_group: dict[str, _Group] = {}
+        self._user_requests: dict[str, _UserRequest] = {}
+        self._user_request_of: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self.pins = (PinnedPrefixes(self.kv, config.max_pinned_fraction)
                      if config.enable_prefix_caching and self.kv.num_groups == 1 else None)
@@ -230,7 +230,7 @@ class LLMEngine:
             raise ValueError(f"n is {params.n}; max_num_seqs is {self.config.max_num_seqs}, so its sequences "
                              f"could never run together")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._groups:
+        if request_id in self._user_requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
@@ -242,32 +242,32 @@ class LLMEngine:
                              f"(raise kv_cache_memory_bytes)")
         req = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
                       cache_salt=cache_salt, max_model_len=self.max_model_len)
-        group = _Group(request_id, text, ids, params, time.monotonic())
+        ureq = _UserRequest(request_id, text, ids, params, time.monotonic())
         if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None] * len(ids)
-        group.seqs[0] = req
-        self._groups[request_id] = group
-        self._seq_group[request_id] = group
+            ureq.prompt_logprobs = [None] * len(ids)
+        ureq.seqs[0] = req
+        self._user_requests[request_id] = ureq
+        self._user_request_of[request_id] = ureq
         self.scheduler.add_request(req)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         """Abort every sequence of a request; its blocks are freed at once."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
+        ureq = self._user_requests.pop(request_id, None)
+        if ureq is None:
             return
         for rid, seq in list(self.scheduler.requests.items()):
             if seq.parent_id == request_id:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-        for seq in group.seqs.values():
-            self._seq_group.pop(seq.request_id, None)
+        for seq in ureq.seqs.values():
+            self._user_request_of.pop(seq.request_id, None)
 
     def request_ids(self) -> list[str]:
         """Ids of the requests not finished yet."""
-        return list(self._groups)
+        return list(self._user_requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._user_requests)
 
     # -- pinned prefixes -----------------------------------------------------------------
     def pin_prefix(self, prompt: PromptType, ttl_s: float | None = None, cache_salt: str | None = None,
@@ -357,9 +357,9 @@ class LLMEngine:
     def _finish_step(self, out: SchedulerOutput, launched: LaunchedStep, final_only: bool) -> list[RequestOutput]:
         sampled = self.runner.collect(launched)
         for rid, (first, rows) in self.runner.collect_prompt_logprobs(launched).items():
-            group = self._seq_group.get(rid)
-            if group is not None and group.prompt_logprobs is not None:
-                plps = group.prompt_logprobs
+            ureq = self._user_request_of.get(rid)
+            if ureq is not None and ureq.prompt_logprobs is not None:
+                plps = ureq.prompt_logprobs
                 for pos, row in enumerate(rows, first):
                     if plps[pos] is None:  # a recompute after preemption keeps the first values
                         plps[pos] = row
@@ -367,40 +367,40 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.after_step()
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, _UserRequest] = {}
         for seq in got:
-            group = self._seq_group.setdefault(seq.request_id, self._groups[seq.parent_id])
-            group.seqs.setdefault(seq.sample_index, seq)
-            group.first_token_time = group.first_token_time or now
-            self._record(group, seq, sampled[seq.request_id])
-            touched[group.request_id] = group
+            ureq = self._user_request_of.setdefault(seq.request_id, self._user_requests[seq.parent_id])
+            ureq.seqs.setdefault(seq.sample_index, seq)
+            ureq.first_token_time = ureq.first_token_time or now
+            self._record(ureq, seq, sampled[seq.request_id])
+            touched[ureq.request_id] = ureq
         for rid in out.finished_ids:
-            group = self._seq_group.get(rid)
-            if group is not None and group.request_id in self._groups:
-                touched[group.request_id] = group
+            ureq = self._user_request_of.get(rid)
+            if ureq is not None and ureq.request_id in self._user_requests:
+                touched[ureq.request_id] = ureq
         outputs = []
-        for group in touched.values():
-            finished = group.finished()
+        for ureq in touched.values():
+            finished = ureq.finished()
             if final_only and not finished:
                 continue
-            outputs.append(self._output(group, finished, now))
+            outputs.append(self._output(ureq, finished, now))
             if finished:
-                self._groups.pop(group.request_id, None)
-                for seq in group.seqs.values():
-                    self._seq_group.pop(seq.request_id, None)
+                self._user_requests.pop(ureq.request_id, None)
+                for seq in ureq.seqs.values():
+                    self._user_request_of.pop(seq.request_id, None)
         if self._pending_pins:
             self._take_pins([o.request_id for o in outputs if o.finished])
         return outputs
 
-    def _record(self, group: _Group, seq: Request, st) -> None:
+    def _record(self, ureq: _UserRequest, seq: Request, st) -> None:
         i = seq.sample_index
-        detok = group.detoks.get(i)
+        detok = ureq.detoks.get(i)
         if detok is None:
-            detok = group.detoks[i] = IncrementalDetokenizer(self.tokenizer, group.params)
+            detok = ureq.detoks[i] = IncrementalDetokenizer(self.tokenizer, ureq.params)
         if st.logprob is not None:
-            group.cum_logprob[i] = group.cum_logprob.get(i, 0.0) + st.logprob
+            ureq.cum_logprob[i] = ureq.cum_logprob.get(i, 0.0) + st.logprob
             entry = {st.token_id: st.logprob, **dict(st.top_logprobs or [])}
-            group.logprobs.setdefault(i, []).append(entry)
+            ureq.logprobs.setdefault(i, []).append(entry)
         stop = detok.update(seq.output_token_ids)
         if stop is not None:
             seq.stop_reason = stop
@@ -411,22 +411,22 @@ class LLMEngine:
         elif seq.is_finished:
             detok.flush()
 
-    def _output(self, group: _Group, finished: bool, now: float) -> RequestOutput:
+    def _output(self, ureq: _UserRequest, finished: bool, now: float) -> RequestOutput:
         comps = []
-        for i in sorted(group.seqs):
-            seq, detok = group.seqs[i], group.detoks.get(i)
+        for i in sorted(ureq.seqs):
+            seq, detok = ureq.seqs[i], ureq.detoks.get(i)
             comps.append(CompletionOutput(
                 index=i, text=detok.text if detok else "", token_ids=list(seq.output_token_ids),
-                cumulative_logprob=group.cum_logprob.get(i), logprobs=group.logprobs.get(i),
+                cumulative_logprob=ureq.cum_logprob.get(i), logprobs=ureq.logprobs.get(i),
                 finish_reason=seq.status.value if seq.is_finished else None,
                 stop_reason=seq.stop_reason))
-        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
-                   "cached_tokens_by_source": dict(group.seqs[0].cached_by_source)}
+        metrics = {"arrival_time": ureq.arrival_time, "first_token_time": ureq.first_token_time,
+                   "cached_tokens_by_source": dict(ureq.seqs[0].cached_by_source)}
         if finished:
             metrics["finished_time"] = now
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished,
-                             num_cached_tokens=max(0, group.seqs[0].num_cached_tokens), metrics=metrics,
-                             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs))
+        return RequestOutput(ureq.request_id, ureq.prompt, ureq.prompt_token_ids, comps, finished,
+                             num_cached_tokens=max(0, ureq.seqs[0].num_cached_tokens), metrics=metrics,
+                             prompt_logprobs=None if ureq.prompt_logprobs is None else list(ureq.prompt_logprobs))
 
     # -- observability -------------------------------------------------------------------
     def stats(self) -> dict:

@@ -34,9 +34,9 @@ def test_load_digests_in_chunks_and_stops_at_a_corrupt_block(device, order, monk
     monkeypatch.setattr(tier_io_mod, "DIGEST_PIPELINE_BYTES", 3 * bb)
     monkeypatch.setattr(tier_io_mod, "COPY_RUN_BYTES", 5 * bb + 1000)
     if dev.type == "cuda":
-        from kvos.connector.host_memory import PinnedAllocator
+        from kvos.connector.host_memory import PageLockedAllocator
 
-        allocate = PinnedAllocator()
+        allocate = PageLockedAllocator()
         torch.cuda.synchronize()
     else:
         allocate = allocate_bytearray

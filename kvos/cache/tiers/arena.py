@@ -10,7 +10,7 @@ from kvos.cache.block import BlockHash
 
 Allocate = Callable[[int], memoryview]
 """``allocate(nbytes)`` returns a writable byte memoryview of exactly ``nbytes`` that stays valid
-for the arena's lifetime (the engine passes pinned memory when it runs on a GPU)."""
+for the arena's lifetime (the engine passes page-locked memory when it runs on a GPU)."""
 
 DEFAULT_CHUNK_BYTES = 128 << 20
 

@@ -23,7 +23,7 @@ class CPUTier(Tier):
     """Each block is one slot holding its frame (magic, keyed checksum, length, payload), placed
     so that the payload starts 64-byte aligned. Process memory is not encrypted: the keyed
     checksum guards against corruption and blocks in the wrong slot. Memory comes from
-    ``allocate`` in chunks as the tier fills (pinned memory when the engine runs on a GPU, so
+    ``allocate`` in chunks as the tier fills (page-locked memory when the engine runs on a GPU, so
     loads DMA straight from slots).
 
     Frames are plain (xxh3 of key and payload, verified on the host by ``get``) unless
