@@ -136,9 +136,8 @@ def _nucleus_kernel(x_ptr, inv_t_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr, R
 
 NUCLEUS_BLOCK = 8192
 NUCLEUS_WARPS = 32
-"""The tile of a row's pass. On an H100, 256 rows of 128,256 bf16 logits at T = 0.8 and p = 0.95
-(benchmarks/scripts/top_p_kernels.py, 2026-11-27): 8,192 tokens and 32 warps 0.23 ms; 4,096 and 16
-0.40-0.44 ms; 2,048 and 8 0.81 ms. (The earlier threshold search and race: 0.66 ms.)"""
+"""The tile of a row's pass: the fastest of ``benchmarks/scripts/top_p_kernels.py``'s sweep on an
+H100 (figures: benchmarks/history.md, "top-p")."""
 ROWS_INTERPRETED = 256
 """Rows per program under Triton's CPU interpreter (numpy runs a program's tile at once); on a
 GPU one row per program."""

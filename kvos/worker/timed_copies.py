@@ -40,10 +40,9 @@ class TimedCopies:
     LEAD_CYCLES = 100_000
     """GPU clock cycles the side stream spins before each copy's first event."""
     WARM_BYTES = 1 << 20
-    """What ``warm`` reads. On 2 x H200, a 16 MiB peer copy that follows 15-40 ms without one
-    takes about 120 us instead of 50, and about 220 us after 50 ms or more; a 1 MiB peer copy
-    1 ms ahead brings it back to 50, a 4 KiB one does not
-    (``benchmarks/scripts/peer_copy_idle_causes.py``, ``peer_copy_split.py``)."""
+    """What ``warm`` reads: enough to wake a peer link that has slept since its last copy, so the copy
+    after it runs at the link's rate (``benchmarks/scripts/peer_copy_idle_causes.py``; figures on the
+    routing benchmark page)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
