@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from kvos.models import gguf_index, gguf_loader
+from kvos.models import gguf_header, gguf_index, gguf_loader
 from kvos.models.loader import default_model_path
 
 TEXTS = ["The capital of France is", "def quicksort(xs):\n    return xs", "héllo wörld ✓ 你好",
@@ -31,7 +31,7 @@ def test_second_load_reads_the_cache_and_equals_the_parsed_file(cache, monkeypat
 
     def forbidden(*args, **kwargs):
         raise AssertionError("parsed the GGUF file again")
-    monkeypatch.setattr(gguf_loader, "_open", forbidden)
+    monkeypatch.setattr(gguf_header, "open_gguf", forbidden)
     import transformers.integrations.gguf as hf_gguf
     monkeypatch.setattr(hf_gguf, "get_gguf_tokenizer", forbidden)
     monkeypatch.setattr(hf_gguf, "read_gguf_metadata", forbidden)
