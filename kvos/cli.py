@@ -6,7 +6,13 @@ import importlib
 import json
 import sys
 
-from kvos.config.flags import add_engine_args, engine_kwargs, positive
+from kvos.config.flags import (
+    add_config_args,
+    add_engine_args,
+    config_kwargs,
+    engine_kwargs,
+    positive,
+)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -148,8 +154,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from kvos.config import EngineConfig
+    from kvos.engine.async_engine import AsyncEngine
     from kvos.engine.chat import has_chat_template
     from kvos.engine.llm_engine import LLMEngine
+    from kvos.router.config import RouterConfig
     from kvos.serve.app import create_app
     from kvos.worker.device import resolve_device
 
@@ -171,13 +179,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
         kwargs = engine_kwargs(a)
         EngineConfig(**kwargs)  # bad options fail here, before any actor starts
+        router = RouterConfig(**config_kwargs(a, RouterConfig))
         engine = DataParallelEngine(kwargs, (a.decode_engines or 1) if a.prefill_engines else a.data_parallel,
-                                    a.router, a.ray_address, a.kv_weight, prefill_engines=a.prefill_engines or 0,
-                                    transport=transport, router_balance=a.router_balance)
+                                    router.router, a.ray_address, router.kv_weight,
+                                    prefill_engines=a.prefill_engines or 0, transport=transport,
+                                    router_balance=router.router_balance)
         model_path = (resolve_config_path if kwargs.get("random_weights") else resolve_model_path)(kwargs["model"])
     else:
-        engine = LLMEngine(EngineConfig(**engine_kwargs(a)))
-        model_path = engine.model_path
+        local = LLMEngine(EngineConfig(**engine_kwargs(a)))
+        engine = AsyncEngine(local)  # the engine loop on a thread of this process
+        model_path = local.model_path
     name = a.served_model_name or model_path.name.removesuffix(".gguf").split(".")[0]
     from kvos.serve.limits import DrainingServer, guarded_protocol
 
@@ -228,7 +239,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvos`` parser, every subcommand (each sets ``fn``, the function that runs it)."""
-    from kvos.router.policies import DEFAULT_KV_WEIGHT, add_router_balance_arg
+    from kvos.router.config import RouterConfig
 
     p = argparse.ArgumentParser(prog="kvos", description="LLM inference with the KV cache as virtual memory")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -273,13 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--data-parallel", type=positive(int), default=1, metavar="N",
                     help="N engine actors on a Ray cluster (one per GPU on a GPU host) behind one endpoint and a "
                          "router; with no cluster running, a local one is started")
-    dp.add_argument("--router", default="kv_aware", choices=["round_robin", "least_loaded", "kv_aware", "approx"],
-                    help="kv_aware: the engine already holding most of the prompt's prefix (from its KV events), "
-                         "weighed against its load; approx: the same from the router's own record, no events")
-    dp.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT,
-                    help="kv_aware/approx: weight of the prefill an engine would do (prompt blocks it lacks plus "
-                         "a quarter of its queued prefill) against its active decode blocks")
-    add_router_balance_arg(dp)
     dp.add_argument("--prefill-engines", type=positive(int), default=None, metavar="P",
                     help="disaggregated prefill: P engines compute prompts and send their KV blocks to the decode "
                          "engines (--decode-engines), which generate")
@@ -292,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "disaggregated prefill move GPU to GPU by CUDA IPC); or, for one engine, a thread of the "
                          "server. auto: on a CUDA device, processes (ray with --ray-address); on the CPU, ray for "
                          "several engines and a thread for one")
+    add_config_args(s, RouterConfig)
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
     et = sub.add_parser("export-tokenizer", help="save the model's tokenizer as a Hugging Face tokenizer folder "

@@ -55,11 +55,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvos.bench.serve import percentiles
-from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS, add_router_balance_arg
+from kvos.router.config import RouterConfig
+from kvos.router.policies import ROUTERS
+
+ROUTER_SETTINGS = ("kv_weight", "router_balance")
+"""The ``RouterConfig`` fields every run shares (the router itself varies: --routers)."""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from kvos.config.flags import positive
+    from kvos.config.flags import add_config_args, positive
 
     p.add_argument("--conversations", type=int, default=200)
     p.add_argument("--turns", type=int, default=6)
@@ -73,8 +77,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel", type=int, default=2, metavar="N", help="engines behind each router")
     p.add_argument("--routers", default="kv_aware,round_robin,least_loaded",
                    help=f"comma-separated, one run each (of {', '.join(ROUTERS)})")
-    p.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT, help="kv_aware/approx weight")
-    add_router_balance_arg(p)
+    add_config_args(p, RouterConfig, ROUTER_SETTINGS)
     p.add_argument("--prefill-decode", action="store_true",
                    help="one more run: 1 prefill engine + 1 decode engine (kv_aware)")
     p.add_argument("--transport", default="process", choices=["process", "ray"])
@@ -241,8 +244,11 @@ async def run_fleet(kw: dict, wl: Workload, a: argparse.Namespace, router: str, 
 
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    dp = DataParallelEngine(kw, num_engines, router, kv_weight=a.kv_weight, prefill_engines=prefill_engines,
-                            transport=a.transport, router_balance=a.router_balance)
+    from kvos.config.flags import config_kwargs
+
+    rc = RouterConfig(router, **config_kwargs(a, RouterConfig, ROUTER_SETTINGS))
+    dp = DataParallelEngine(kw, num_engines, rc.router, kv_weight=rc.kv_weight, prefill_engines=prefill_engines,
+                            transport=a.transport, router_balance=rc.router_balance)
     startup = time.perf_counter() - t0
     dp.start()
     try:

@@ -6,7 +6,11 @@ optimum (Belady, ties toward the chain's tail) and of the LRU-to-optimum gap clo
 With a CPU tier of ``R`` times the device's blocks (``--tier-ratios``), the device policy runs
 over a tier managed by its own policy (``--tier-policies``); the optimum is then Belady on one
 device pool of the device's plus the tier's blocks (no two-level policy can hold more distinct
-blocks than both together, nor serve a block neither holds), and plain LRU is LRU on both."""
+blocks than both together, nor serve a block neither holds), and plain LRU is LRU on both.
+
+Belady is an upper bound when requests run one at a time: run with ``--max-num-seqs 1`` (the
+published figures also used ``--max-num-batched-tokens 8192``); the engine flags' defaults are
+``EngineConfig``'s."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +20,11 @@ import time
 from pathlib import Path
 
 from kvos.bench.job_pool import job_pool
-from kvos.cache.eviction import POLICIES
+from kvos.cache.eviction import online_policies
+from kvos.config.flags import add_engine_args, engine_kwargs
+
+ENGINE_FIELDS = ("max_num_batched_tokens", "max_num_seqs")
+"""The ``EngineConfig`` fields of the simulated engine that the command takes."""
 
 TRACES = {"conversation": "mooncake_conversation.jsonl.gz", "synthetic": "mooncake_synthetic.jsonl.gz"}
 
@@ -27,24 +35,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=3000, help="first N requests of each trace (0: all)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 2000, 4000, 8000, 16000, 32000, 64000],
                    help="pool sizes in 512-token blocks")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--policies", nargs="+", default=list(online_policies()), choices=list(online_policies()))
     p.add_argument("--lookaheads", type=int, nargs="+", default=[0, 256],
                    help="eviction lookahead settings to compare (waiting requests; 0: off)")
     p.add_argument("--tier-ratios", type=float, nargs="+", default=[0, 4],
                    help="CPU-tier sizes as multiples of the device pool (0: no tier)")
-    p.add_argument("--tier-policies", nargs="+", default=[p for p in POLICIES if p != "belady"],
-                   choices=[p for p in POLICIES if p != "belady"],
+    p.add_argument("--tier-policies", nargs="+", default=list(online_policies()), choices=list(online_policies()),
                    help="the tier's own policies to compare (under device LRU with the largest lookahead)")
     p.add_argument("--tier-lookaheads", type=int, nargs="+", default=[0, 1024],
                    help="the tier's lookahead settings to compare (waiting requests whose blocks it evicts last)")
-    p.add_argument("--max-num-seqs", type=int, default=1, help="1: one request at a time, as the issue's setup")
+    add_engine_args(p, ENGINE_FIELDS)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--output", default="benchmarks/results/policies.json")
     p.add_argument("--plot", default="benchmarks/plots/policies_vs_optimum.png")
 
 
 def _one(args: tuple) -> dict:
-    trace_path, limit, size, policy, lookahead, max_num_seqs, tier_blocks, tier_policy, write_policy, tier_la = args
+    trace_path, limit, size, policy, lookahead, engine, tier_blocks, tier_policy, write_policy, tier_la = args
     from kvos.sim.cost_model import CostModel
     from kvos.sim.hardware import GPUS
     from kvos.sim.shapes import PRESETS
@@ -56,9 +63,9 @@ def _one(args: tuple) -> dict:
     trace = trace[:limit] if limit else trace
     cost = CostModel.for_model(PRESETS["llama-3.1-8b"], GPUS["H100-80G"])
     tier = SimTierConfig(tier_blocks, tier_policy, write_policy, lookahead=tier_la) if tier_blocks else None
-    cfg = SimConfig(block_size=512, num_blocks=size + (tier_blocks if policy == "belady" else 0),
-                    eviction_policy=policy, max_num_seqs=max_num_seqs, eviction_lookahead=lookahead,
-                    tier=None if policy == "belady" else tier)
+    cfg = SimConfig.of(block_size=512, num_blocks=size + (tier_blocks if policy == "belady" else 0),
+                       eviction_policy=policy, eviction_lookahead=lookahead, **engine,
+                       tier=None if policy == "belady" else tier)
     t = time.perf_counter()
     r = Simulator(trace, cfg, cost).run()
     return {"size": size, "policy": policy, "lookahead": lookahead, "tier_blocks": tier_blocks,
@@ -79,7 +86,7 @@ def run(a: argparse.Namespace) -> int:
         for size in a.sizes:
             for ratio in a.tier_ratios:
                 for setting in settings(a, int(ratio * size)):
-                    jobs.append((name, (path, a.limit, size, *setting[:2], a.max_num_seqs, *setting[2:])))
+                    jobs.append((name, (path, a.limit, size, *setting[:2], engine_kwargs(a, ENGINE_FIELDS), *setting[2:])))
     t0 = time.perf_counter()
     with job_pool(a.jobs) as pool:
         rows = list(pool.map(_one, [j for _, j in jobs]))
@@ -89,7 +96,7 @@ def run(a: argparse.Namespace) -> int:
     for name, rs in results.items():
         annotate(rs)
         print(table(name, rs))
-    report = {"bench": "policies", "machine": machine_info(), "max_num_seqs": a.max_num_seqs, "limit": a.limit,
+    report = {"bench": "policies", "machine": machine_info(), **engine_kwargs(a, ENGINE_FIELDS), "limit": a.limit,
               "block_size": 512, "sizes": a.sizes, "wall_s": time.perf_counter() - t0,
               "summary": {name: summarize(rs) for name, rs in results.items()}, "results": results}
     out = Path(a.output)

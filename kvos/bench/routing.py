@@ -26,6 +26,8 @@ Setup, and why:
   the request's uncached blocks, against the blocks it decodes (``kvos.router.KVAware``): at
   w=1 the decode load of a 13.5K-token conversation (~26 blocks per running request) outweighs
   a whole prompt's worth of hits, so the trace wants a larger weight.
+- Engine settings (``--max-num-batched-tokens``, ``--max-num-seqs``) default to
+  ``EngineConfig``'s; the published figures ran with 8192 and 256.
 """
 from __future__ import annotations
 
@@ -36,7 +38,11 @@ import time
 from pathlib import Path
 
 from kvos.bench.job_pool import job_pool
+from kvos.config.flags import add_engine_args, engine_kwargs
 from kvos.router.policies import DEFAULT_BALANCE, ROUTERS
+
+ENGINE_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
+"""The ``EngineConfig`` fields of each simulated engine that the command takes."""
 
 TRACES = {"conversation": "mooncake_conversation.jsonl.gz", "synthetic": "mooncake_synthetic.jsonl.gz"}
 REFERENCE = "one engine, all the memory"
@@ -56,13 +62,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="kv_aware/approx overlap weights to compare (1: Dynamo's default)")
     p.add_argument("--blocks", type=int, default=None, help="512-token KV blocks per engine (default: what the GPU "
                                                             "holds at --gpu-memory-utilization)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--load", type=float, default=0.75, help="offered load as a fraction of the fleet's capacity")
     p.add_argument("--time-scale", type=float, default=None,
                    help="replay every fleet at this arrival time scale instead of --load (1: as recorded)")
     p.add_argument("--calibration-requests", type=int, default=2000,
                    help="requests of the trace whose saturated one-engine throughput sets the capacity")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    add_engine_args(p, ENGINE_FIELDS)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--output", default="benchmarks/results/routing.json")
     p.add_argument("--plot", default="benchmarks/plots/routing.png")
@@ -92,28 +97,27 @@ def default_blocks(utilization: float) -> int:
 
 def _capacity(args: tuple) -> float:
     """Requests per second one engine sustains on the trace's first requests (all arriving at once)."""
-    trace_path, limit, blocks, max_num_seqs = args
+    trace_path, limit, blocks, engine = args
     from kvos.sim.simulator import SimConfig, Simulator
 
     trace, cost = _setup(trace_path, limit)
     trace = [type(r)(0.0, r.input_len, r.output_len, r.hash_ids) for r in trace]
-    r = Simulator(trace, SimConfig(block_size=512, num_blocks=blocks, max_num_seqs=max_num_seqs), cost).run()
+    r = Simulator(trace, SimConfig.of(block_size=512, num_blocks=blocks, **engine), cost).run()
     return len(trace) / r["makespan_s"]
 
 
 def _one(args: tuple) -> dict:
-    trace_path, limit, engines, router, weight, blocks, time_scale, max_num_seqs = args
+    trace_path, limit, engines, router, weight, blocks, time_scale, engine = args
     from kvos.sim.fleet import FleetSimulator
     from kvos.sim.simulator import SimConfig, Simulator
 
     trace, cost = _setup(trace_path, limit)
     t = time.perf_counter()
     if router == REFERENCE:
-        cfg = SimConfig(block_size=512, num_blocks=blocks * engines, time_scale=time_scale * engines,
-                        max_num_seqs=max_num_seqs)
+        cfg = SimConfig.of(block_size=512, num_blocks=blocks * engines, time_scale=time_scale * engines, **engine)
         r = Simulator(trace, cfg, cost).run()
     else:
-        cfg = SimConfig(block_size=512, num_blocks=blocks, time_scale=time_scale, max_num_seqs=max_num_seqs)
+        cfg = SimConfig.of(block_size=512, num_blocks=blocks, time_scale=time_scale, **engine)
         r = FleetSimulator(trace, cfg, cost, engines, router, 1.0 if weight is None else weight).run()
     row = {"engines": engines, "router": router, "kv_weight": weight, "time_scale": cfg.time_scale,
            "label": label(router, weight)}
@@ -152,12 +156,12 @@ def run(a: argparse.Namespace) -> dict:
         per_engine_rps = None
         if a.time_scale is None:
             calib = min(len(trace), a.calibration_requests)
-            per_engine_rps = pool.submit(_capacity, (path, calib, blocks, a.max_num_seqs)).result()
+            per_engine_rps = pool.submit(_capacity, (path, calib, blocks, engine_kwargs(a, ENGINE_FIELDS))).result()
         span = trace[-1].arrival_s - trace[0].arrival_s
         trace_rps = len(trace) / span if span > 0 else float(len(trace))
         scales = {n: a.time_scale if a.time_scale is not None else trace_rps / (a.load * n * per_engine_rps)
                   for n in a.engines}
-        jobs = [(path, a.limit, n, r, w, blocks, scales[n], a.max_num_seqs)
+        jobs = [(path, a.limit, n, r, w, blocks, scales[n], engine_kwargs(a, ENGINE_FIELDS))
                 for n in a.engines for r in [REFERENCE, *a.routers]
                 for w in (a.kv_weights if r in WEIGHTED else [None])]
         rows = list(pool.map(_one, jobs))

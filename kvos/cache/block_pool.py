@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
-from kvos.cache.events import KVEventLog
 from kvos.cache.eviction import EvictionPolicy, LRUPolicy
+from kvos.cache.listener import BlockPoolListener, PoolOwner
 from kvos.cache.page_pool import LargePagePool
 from kvos.cache.prefix_index import PrefixIndex
 from kvos.cache.stats import CacheCounters, CacheUsage
@@ -38,6 +38,10 @@ class BlockPool:
     parked some leaf below it is in the policy. Sliding-window groups have no chain order (a
     sliding block's use does not depend on its parent): every evictable block is in the policy.
 
+    Wiring (``kvos.cache.listener``): an ``owner`` given at construction chooses what to evict
+    when no block is free (without one the pool evicts its own policy's choice); ``listeners``
+    hear every registration and eviction. Nothing else is called back.
+
     Safety rules:
     - ``get_new_blocks`` only ever hands out blocks with ``ref_cnt == 0``: a referenced block is
       never evicted or overwritten.
@@ -49,7 +53,8 @@ class BlockPool:
                  index: PrefixIndex | None = None, counters: CacheCounters | None = None,
                  policy: EvictionPolicy | None = None, pages: LargePagePool | None = None,
                  per_page: int = 1, group: int = 0, clock: LogicalClock | None = None,
-                 chain_order: bool = True) -> None:
+                 chain_order: bool = True, owner: PoolOwner | None = None,
+                 listeners: Sequence[BlockPoolListener] = ()) -> None:
         if pages is None:
             if num_blocks is None:
                 raise ValueError("BlockPool needs num_blocks or a shared page pool")
@@ -80,21 +85,11 @@ class BlockPool:
         self._held_order: list[tuple[int, int, int]] = []  # heap of (-rank, -depth, block id)
         self._demand_rank: dict[int, int] = {}  # block id -> queue position of its first waiting user
         self._held_unoffered: set[int] = set()  # held straight from parked: never in the policy yet
-        self.before_evict: Callable[[], None] | None = None
-        """Called before this group evicts (the manager holds what waiting requests will hit)."""
+        self.owner = owner
+        self.listeners: list[BlockPoolListener] = list(listeners)
         self.index = index if index is not None else PrefixIndex()
         self.counters = counters if counters is not None else CacheCounters()
         self.clock = clock if clock is not None else LogicalClock()
-        self.reclaim: Callable[[BlockPool], bool] | None = None
-        """Called when this group needs a block and neither a plain free block nor a free large
-        page is left: evicts something (here or in another group); False if nothing can be."""
-        self.on_evict: Callable[[KVBlock], None] | None = None
-        """Called with a block about to lose its cached content (its KV is still intact)."""
-        self.newly_cached: list[KVBlock] | None = None
-        """When a list, every block registered in the prefix index is appended (tier writes)."""
-        self.events: KVEventLog | None = None
-        """When set, every registration and eviction is logged (``block_tokens`` per block)."""
-        self.block_tokens = 0
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -149,15 +144,25 @@ class BlockPool:
                 return block
             if self._split_page():
                 continue
-            if self.before_evict is not None:
-                self.before_evict()
-            if self.reclaim is not None:
-                if not self.reclaim(self):
+            if self.owner is not None:
+                self.owner.before_evict(self.group)
+                if not self.owner.reclaim(self.group):
                     return None
-            elif len(self.evictor):
-                self.evict(self.evictor.pop())
-            elif not self.evict_held():
+            elif not self.evict_one():
                 return None
+
+    def add_listener(self, listener: BlockPoolListener) -> None:
+        """Add a listener to those given at construction (for one built after the pool: the KV
+        event log, the tier connector, which need the engine's scheduler first)."""
+        self.listeners.append(listener)
+
+    def evict_one(self) -> bool:
+        """Evict the policy's choice, or else the held block wanted farthest in the future;
+        False if nothing is evictable."""
+        if len(self.evictor):
+            self.evict(self.evictor.pop())
+            return True
+        return self.evict_held()
 
     def hold(self, blocks: list[KVBlock], rank: int) -> None:
         """The ``rank``-th waiting request will hit ``blocks`` (a chain from its root): take the
@@ -263,12 +268,10 @@ class BlockPool:
         """Drop the cached content of an unreferenced block already taken out of the policy;
         it becomes plain free."""
         assert block.ref_cnt == 0 and block.block_hash is not None
-        if self.on_evict is not None:
-            self.on_evict(block)
+        for listener in self.listeners:
+            listener.block_evicting(self.group, block)
         self._child_left(block)
         self.index.remove(block.block_hash)
-        if self.events is not None:
-            self.events.removed(block.block_hash, self.group)
         block.block_hash = block.parent_hash = None
         block.num_hits = 0
         self.counters.evictions += 1
@@ -352,10 +355,11 @@ class BlockPool:
                 self.evictor.add(parent)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash, depth: int = 0,
-                         priority: int = 0) -> None:
+                         priority: int = 0, adopted: bool = False) -> None:
         """Register a referenced, full block (``depth``-th of its chain, cached by a request of
-        ``priority``) under its chained hash (no-op if caching is off, the block is already
-        cached, or another block already holds this content)."""
+        ``priority``; ``adopted``: its KV came from another engine) under its chained hash
+        (no-op if caching is off, the block is already cached, or another block already holds
+        this content)."""
         if not self.enable_caching or block.block_hash is not None or block.is_null:
             return
         if self.index.insert(block_hash, block):
@@ -364,10 +368,8 @@ class BlockPool:
             block.depth = depth
             block.priority = priority
             block.cached_at = self.clock.tick()
-            if self.events is not None:
-                self.events.stored(block_hash, parent_hash, self.block_tokens, self.group)
-            if self.newly_cached is not None:
-                self.newly_cached.append(block)
+            for listener in self.listeners:
+                listener.block_cached(self.group, block, adopted)
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block's content; returns how many were dropped."""

@@ -14,12 +14,21 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
 
 
 class EvictionPolicy(ABC):
     name = "base"
+    offline = False
+    """True for a policy that reads the future (it needs a next-use oracle: the simulator's)."""
+
+    @classmethod
+    def create(cls, next_use: Callable[[BlockHash], float] | None, capacity: int, block_size: int) -> EvictionPolicy:
+        """A policy for a pool of ``capacity`` blocks of ``block_size`` tokens; ``next_use`` is the
+        simulator's oracle (None in an engine). Override when the constructor takes any of them."""
+        return cls()
 
     @abstractmethod
     def add(self, block: KVBlock) -> None: ...
@@ -47,6 +56,26 @@ class EvictionPolicy(ABC):
 
     def __contains__(self, block: KVBlock) -> bool:
         return any(b is block for b in self)
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {}
+"""Eviction policies by name, filled by ``register_eviction_policy``: the engine's and the
+simulator's choices (the engine's are the online ones, ``online_policies``)."""
+
+_P = TypeVar("_P", bound=type[EvictionPolicy])
+
+
+def register_eviction_policy(cls: _P) -> _P:
+    """Class decorator: make ``cls`` selectable by its ``name`` (``eviction_policy``)."""
+    if cls.name in EVICTION_POLICIES:
+        raise ValueError(f"eviction policy {cls.name!r} is already registered")
+    EVICTION_POLICIES[cls.name] = cls
+    return cls
+
+
+def online_policies() -> tuple[str, ...]:
+    """Names of the registered policies that need no oracle (an engine's choices)."""
+    return tuple(name for name, cls in EVICTION_POLICIES.items() if not cls.offline)
 
 
 class KeyedQueue:
@@ -133,6 +162,7 @@ class _HeapPolicy(EvictionPolicy):
         return block in self._queue
 
 
+@register_eviction_policy
 class LRUPolicy(_HeapPolicy):
     """Least recently used first: by the logical time of the block's last free (a block is
     freed after every use, a chain's parent after its children)."""
@@ -183,6 +213,7 @@ class HitProtectedLRUPolicy(EvictionPolicy):
         return block.prev_free is not None
 
 
+@register_eviction_policy
 class FIFOPolicy(_HeapPolicy):
     """Oldest content first (by when the block was cached), whatever its later use."""
 
@@ -192,6 +223,7 @@ class FIFOPolicy(_HeapPolicy):
         return block.cached_at
 
 
+@register_eviction_policy
 class LFUPolicy(_HeapPolicy):
     """Fewest prefix hits first; ties broken least recently used first."""
 
@@ -217,6 +249,7 @@ class _TwoQueuePolicy(EvictionPolicy):
         return block in self._queues[0] or block in self._queues[1]
 
 
+@register_eviction_policy
 class S3FIFOPolicy(_TwoQueuePolicy):
     """S3-FIFO (Yang et al., SOSP'23) over the evictable blocks: a small FIFO for blocks freed
     for the first time since they were cached, a main FIFO for blocks used again, and a ghost
@@ -230,6 +263,10 @@ class S3FIFOPolicy(_TwoQueuePolicy):
     name = "s3fifo"
     SMALL_FRACTION = 0.1
     MAX_FREQ = 3
+
+    @classmethod
+    def create(cls, next_use, capacity: int, block_size: int) -> EvictionPolicy:
+        return cls(capacity)
 
     def __init__(self, capacity: int = 1024) -> None:
         self._small = KeyedQueue()
@@ -292,6 +329,7 @@ class S3FIFOPolicy(_TwoQueuePolicy):
         return block
 
 
+@register_eviction_policy
 class ARCPolicy(_TwoQueuePolicy):
     """ARC (Megiddo & Modha, FAST'03) over the evictable blocks: T1 holds blocks not hit since
     they were cached, T2 blocks hit at least once, each least recently used first; ghosts B1
@@ -300,6 +338,10 @@ class ARCPolicy(_TwoQueuePolicy):
     ``p``. O(log n)."""
 
     name = "arc"
+
+    @classmethod
+    def create(cls, next_use, capacity: int, block_size: int) -> EvictionPolicy:
+        return cls(capacity)
 
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = max(1, capacity)
@@ -347,6 +389,7 @@ class ARCPolicy(_TwoQueuePolicy):
         return block
 
 
+@register_eviction_policy
 class WeightedPolicy(_HeapPolicy):
     """GreedyDual-Size-Frequency over the evictable blocks: a block's value is
     ``L + weight * uses * cost``, the lowest value is evicted and ``L`` rises to it (so old
@@ -356,6 +399,10 @@ class WeightedPolicy(_HeapPolicy):
     priority -1 tenant's prefixes are worth twice a priority 0 one's). O(log n)."""
 
     name = "weighted"
+
+    @classmethod
+    def create(cls, next_use, capacity: int, block_size: int) -> EvictionPolicy:
+        return cls(block_size)
 
     def __init__(self, block_size: int = 16, cost_context: int = 4096) -> None:
         super().__init__()
@@ -376,6 +423,7 @@ class WeightedPolicy(_HeapPolicy):
         return self._queue.pop()
 
 
+@register_eviction_policy
 class BeladyPolicy(_HeapPolicy):
     """Offline optimum (upper bound): evict the block whose next use is farthest in the future,
     ties toward the deepest block (a chain's tail), so no chain keeps a tail whose head is gone.
@@ -385,6 +433,13 @@ class BeladyPolicy(_HeapPolicy):
     """
 
     name = "belady"
+    offline = True
+
+    @classmethod
+    def create(cls, next_use, capacity: int, block_size: int) -> EvictionPolicy:
+        if next_use is None:
+            raise ValueError("eviction_policy 'belady' needs a next-use oracle (simulator only)")
+        return cls(next_use)
 
     def __init__(self, next_use: Callable[[BlockHash], float]) -> None:
         super().__init__()
@@ -395,28 +450,16 @@ class BeladyPolicy(_HeapPolicy):
         return (-self.next_use(block.block_hash), -block.depth, -block.last_used)
 
 
-POLICIES = ("lru", "fifo", "lfu", "s3fifo", "arc", "weighted")
-"""The online policies, in the engine and the simulator; ``belady`` (the offline optimum) is the
-simulator's only."""
+POLICIES: tuple[str, ...] = online_policies()
+"""The online policies defined here, in the engine and the simulator (``online_policies()`` also
+lists any registered later); ``belady`` (the offline optimum) is the simulator's only."""
 
 
 def make_policy(name: str, next_use: Callable[[BlockHash], float] | None = None, capacity: int = 1024,
                 block_size: int = 16) -> EvictionPolicy:
-    """``capacity``: the pool's blocks (sizes the ghost lists of s3fifo and arc)."""
-    if name == "belady":
-        if next_use is None:
-            raise ValueError("eviction_policy 'belady' needs a next-use oracle (simulator only)")
-        return BeladyPolicy(next_use)
-    if name == "lru":
-        return LRUPolicy()
-    if name == "fifo":
-        return FIFOPolicy()
-    if name == "lfu":
-        return LFUPolicy()
-    if name == "s3fifo":
-        return S3FIFOPolicy(capacity)
-    if name == "arc":
-        return ARCPolicy(capacity)
-    if name == "weighted":
-        return WeightedPolicy(block_size)
-    raise ValueError(f"eviction_policy must be one of {[*POLICIES, 'belady']}, got {name!r}")
+    """The registered policy ``name`` (``EVICTION_POLICIES``). ``capacity``: the pool's blocks
+    (sizes the ghost lists of s3fifo and arc); ``next_use``: the simulator's oracle (belady)."""
+    cls = EVICTION_POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"eviction_policy must be one of {list(EVICTION_POLICIES)}, got {name!r}")
+    return cls.create(next_use, capacity, block_size)

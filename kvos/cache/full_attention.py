@@ -1,6 +1,8 @@
 """Block tables of one full-attention layer group."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool
 from kvos.cache.sequence import CacheableSequence
@@ -42,6 +44,26 @@ class FullAttentionManager:
                 break
             hit.append(block)
         return hit
+
+    def hit_length(self, held: Callable[[int], bool], max_blocks: int) -> int:
+        """The hit rule on any store: the longest ``L <= max_blocks`` such that ``held(i)`` for
+        every block ``i`` a hit of ``L`` blocks needs (``needed_blocks``); here the first miss.
+        Positions before 0 count as held (a store below the device is asked about the blocks
+        after the device hit)."""
+        n = 0
+        while n < max_blocks and held(n):
+            n += 1
+        return n
+
+    def needed_blocks(self, length: int) -> range:
+        """The blocks a hit of ``length`` blocks needs: all of them, with full attention."""
+        return range(length)
+
+    def drop_unneeded(self, request_id: str, positions: Iterable[int]) -> None:
+        """Put the null block in place of ``positions`` of the request's table and free them
+        unregistered (blocks that hold no KV and that no future token reads: a sliding group's
+        blocks behind the window of a prefix loaded from a tier). Never for full attention."""
+        raise ValueError("a full-attention group reads every block: none can be dropped")
 
     # -- allocation ----------------------------------------------------------------------
     def remove_skipped_blocks(self, seq: CacheableSequence, hashes: list[BlockHash], root: BlockHash) -> None:

@@ -11,6 +11,7 @@ from kvos.cache.eviction import EvictionPolicy, HitProtectedLRUPolicy, make_poli
 from kvos.cache.full_attention import FullAttentionManager
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.layout import CacheLayout, single_group_layout
+from kvos.cache.listener import BlockPoolListener, EventLogListener
 from kvos.cache.page_pool import LargePagePool
 from kvos.cache.sequence import CacheableSequence
 from kvos.cache.sliding_window import SlidingWindowManager
@@ -68,9 +69,7 @@ class KVCacheManager:
                                   block_size=layout.block_size)
             pool = BlockPool(enable_caching=enable_caching, counters=self.counters, policy=pol, pages=self.pages,
                              per_page=layout.blocks_per_large_page(g), group=g, clock=clock,
-                             chain_order=not sliding)
-            pool.reclaim = self._reclaim
-            pool.before_evict = self._protect_demand
+                             chain_order=not sliding, owner=self)
             self.pools.append(pool)
             self.managers.append(MANAGERS[group.spec.kind](group.spec, pool))
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
@@ -83,6 +82,8 @@ class KVCacheManager:
         self._roots: dict[str, BlockHash] = {}
         self._tokens: dict[str, int] = {}
         self._cached_full: dict[str, int] = {}  # full blocks cache_blocks has registered, per sequence
+        self._events: KVEventLog | None = None
+        self._event_listener: EventLogListener | None = None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -99,10 +100,17 @@ class KVCacheManager:
 
     @property
     def pool(self) -> BlockPool:
-        """The only group's pool (tiers and swap work on single-group layouts only)."""
+        """The only group's pool, for callers that handle one group (the simulator's abstract
+        model, block adoption of another engine's rows); hybrid layouts use ``pools``."""
         if len(self.pools) != 1:
-            raise ValueError("this operation needs a single cache group (not a hybrid layout)")
+            raise ValueError(f"this caller handles one cache group; this layout has {len(self.pools)} "
+                             "(use kv.pools)")
         return self.pools[0]
+
+    def add_listener(self, listener: BlockPoolListener) -> None:
+        """Let ``listener`` hear every group's registrations and evictions from now on."""
+        for pool in self.pools:
+            pool.add_listener(listener)
 
     def pages_for_tokens(self, num_tokens: int, chunk: int | None = None) -> int:
         """Large pages one sequence of ``num_tokens`` tokens needs at its peak, prefilled in
@@ -157,8 +165,15 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [[] for _ in self.managers], 0
-        hashes = self.block_hashes(seq)
-        bound = (seq.num_tokens - 1) // self.block_size
+        hits = self.prefix_blocks(self.block_hashes(seq), (seq.num_tokens - 1) // self.block_size)
+        return hits, len(hits[0]) * self.block_size
+
+    def prefix_blocks(self, hashes: list[BlockHash], max_blocks: int) -> ComputedBlocks:
+        """The longest cached prefix of at most ``max_blocks`` of ``hashes`` that every group can
+        serve, as blocks per group (null placeholders where a group needs none; every group's
+        list has the prefix's length). The fixed point ``get_computed_blocks`` describes; no
+        side effects (nothing is referenced)."""
+        bound = max_blocks
         while True:
             hits: ComputedBlocks = []
             for m in self.managers:
@@ -168,7 +183,7 @@ class KVCacheManager:
                     break
                 hits.append(hit)
             else:
-                return hits, bound * self.block_size
+                return hits
 
     def longest_hit_tokens(self, seq: CacheableSequence, max_tokens: int) -> int:
         """Tokens of ``seq``'s first ``max_tokens`` that the cache would serve (no side effects)."""
@@ -181,6 +196,27 @@ class KVCacheManager:
             if got == bound:
                 return bound * self.block_size
             bound = got
+
+    def restorable_blocks(self, held: list[Callable[[int], bool]], max_blocks: int) -> int:
+        """The longest prefix of at most ``max_blocks`` blocks (counted after the device hit)
+        that every group can serve when group ``g`` holds block ``i`` iff ``held[g](i)``: the
+        device prefix cache's own rule (each manager's ``hit_length``) and fixed point
+        (``get_computed_blocks``), for a store below the device."""
+        bound = max_blocks
+        while True:
+            got = min(m.hit_length(h, bound) for m, h in zip(self.managers, held))
+            if got == bound:
+                return bound
+            bound = got
+
+    def needed_blocks(self, length: int) -> list[range]:
+        """Per group, the blocks a hit of ``length`` blocks needs (``restorable_blocks``)."""
+        return [m.needed_blocks(length) for m in self.managers]
+
+    def drop_unneeded(self, request_id: str, group: int, positions: Iterable[int]) -> None:
+        """Free the request's blocks at ``positions`` of sliding group ``group`` that hold no
+        KV and that no future token reads (see ``SlidingWindowManager.drop_unneeded``)."""
+        self.managers[group].drop_unneeded(request_id, positions)
 
     def record_prefix_query(self, num_tokens: int, hit_tokens: int) -> None:
         if self.enable_caching:
@@ -229,7 +265,7 @@ class KVCacheManager:
         self._tokens[seq.request_id] = total
         return True
 
-    def _reclaim(self, needing: BlockPool) -> bool:
+    def reclaim(self, group: int) -> bool:
         """Evict the least recently used cached block of any group (balanced eviction across
         groups). Evicting a full-attention block also evicts the same content in sliding groups
         (aligned: a sliding block past a lost full-attention block can never be hit)."""
@@ -238,7 +274,7 @@ class KVCacheManager:
             if len(pool.evictor) and (best is None or pool.evictor.peek().last_used < best.evictor.peek().last_used):
                 best = pool
         if best is None:  # only blocks that waiting requests will hit are left
-            return needing.evict_held() or any(pool.evict_held() for pool in self.pools)
+            return self.pools[group].evict_held() or any(pool.evict_held() for pool in self.pools)
         block = best.evictor.pop()
         block_hash = block.block_hash
         best.evict(block)
@@ -249,6 +285,10 @@ class KVCacheManager:
                     m.pool.evictor.remove(twin)
                     m.pool.evict(twin)
         return True
+
+    def before_evict(self, group: int) -> None:
+        """Hold what the step's waiting requests will hit (``PoolOwner``)."""
+        self._protect_demand()
 
     def _protect_demand(self) -> None:
         if self.demand is None or self._demand_held or not self.enable_caching:
@@ -386,16 +426,18 @@ class KVCacheManager:
     # -- KV events -------------------------------------------------------------------------
     @property
     def events(self) -> KVEventLog | None:
-        return self.pools[0].events
+        return self._events
 
     def enable_events(self, engine_id: str = "engine-0") -> KVEventLog:
         """Log every registration and eviction from now on (call before anything is cached, so
         that the log's batches describe the whole index)."""
         if any(len(p.index) for p in self.pools):
             raise RuntimeError("enable_events: blocks are already cached")
-        log = KVEventLog(engine_id)
-        for pool in self.pools:
-            pool.events, pool.block_tokens = log, self.block_size
+        log = self._events = KVEventLog(engine_id)
+        if self._event_listener is None:
+            self._event_listener = EventLogListener(log, self.block_size)
+            self.add_listener(self._event_listener)
+        self._event_listener.log = log
         return log
 
     def event_snapshot(self) -> KVSnapshot:

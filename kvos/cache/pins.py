@@ -18,9 +18,16 @@ from kvos.cache.kv_manager import KVCacheManager
 class Pin:
     pin_id: str
     cache_salt: str | None
-    blocks: list[KVBlock]
+    group_blocks: list[list[KVBlock]]
+    """Per cache group, the blocks of the prefix that group needs (a sliding-window group only
+    those inside the window at the prefix's end, as a prefix hit needs them)."""
     num_tokens: int
     expires_at: float | None  # on the registry's clock; None: until unpinned
+
+    @property
+    def blocks(self) -> list[KVBlock]:
+        """Every group's pinned blocks, group by group."""
+        return [b for blocks in self.group_blocks for b in blocks]
 
     def describe(self) -> dict:
         return {"pin_id": self.pin_id, "pinned_tokens": self.num_tokens, "pinned_blocks": len(self.blocks),
@@ -44,21 +51,29 @@ class PinInfo:
 
 
 class PinnedPrefixes:
-    """Pins over one single-group ``KVCacheManager``.
+    """Pins over a ``KVCacheManager`` of any number of cache groups.
 
-    Invariants: every block of a live pin has ``ref_cnt >= 1`` from that pin; the distinct blocks
-    of all pins are at most ``max_blocks``. Safety rule: call ``expire`` from the thread that
-    owns the manager (the engine's), like every other manager call.
+    A pin holds, in every group, the blocks a prefix hit of the pinned prefix needs (the prefix
+    cache's own rule, ``KVCacheManager.prefix_blocks``: every block of a full-attention group,
+    the window's at the prefix's end in a sliding-window group), so a later request whose
+    prompt starts with the prefix hits all of it.
+
+    Invariants: every block of a live pin has ``ref_cnt >= 1`` from that pin; in each group the
+    distinct blocks of all pins are at most ``max_blocks[group]`` (``max_fraction`` of the
+    blocks that group could hold). Safety rule: call ``expire`` from the thread that owns the
+    manager (the engine's), like every other manager call.
     """
 
     def __init__(self, kv: KVCacheManager, max_fraction: float) -> None:
-        if kv.num_groups != 1:
-            raise ValueError("pinned prefixes need a single cache group (this model's layout has "
-                             f"{kv.num_groups}; use kv_layout='homogeneous')")
         self.kv = kv
-        self.max_blocks = int(max_fraction * kv.pool.num_usable_blocks)
+        self.max_group_blocks = [int(max_fraction * p.num_usable_blocks) for p in kv.pools]
         self.pins: dict[str, Pin] = {}
-        self._holders: dict[int, int] = {}  # block_id -> number of pins holding it
+        self._holders: dict[tuple[int, int], int] = {}  # (group, block_id) -> number of pins holding it
+
+    @property
+    def max_blocks(self) -> int:
+        """The cap of the first group (the only one, for most models)."""
+        return self.max_group_blocks[0]
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -74,24 +89,30 @@ class PinnedPrefixes:
         extend_block_hashes(hashes, token_ids, self.kv.block_size, root_hash(self.kv.model_id, cache_salt))
         if not hashes:
             raise ValueError(f"prompt: a pin needs at least one full block ({self.kv.block_size} tokens)")
-        blocks = self.kv.managers[0].find_longest_hit(hashes, len(hashes))
-        if len(blocks) < len(hashes):
-            raise ValueError(f"prompt: only {len(blocks) * self.kv.block_size} of its "
+        hits = self.kv.prefix_blocks(hashes, len(hashes))
+        if len(hits[0]) < len(hashes):
+            raise ValueError(f"prompt: only {len(hits[0]) * self.kv.block_size} of its "
                              f"{len(hashes) * self.kv.block_size} full-block tokens are cached; compute it first")
+        group_blocks = [[b for b in hit if not b.is_null] for hit in hits]
         old = self.pins.get(pin_id)
         held = set(self._holders)
         if old is not None:
-            held -= {b.block_id for b in old.blocks if self._holders[b.block_id] == 1}
-        new_total = len(held | {b.block_id for b in blocks})
-        if new_total > self.max_blocks:
-            raise ValueError(f"prompt: pinning {len(blocks)} blocks would hold {new_total} pinned blocks, over the "
-                             f"cap of {self.max_blocks} (max_pinned_fraction of {self.kv.pool.num_usable_blocks})")
-        self.kv.pool.touch(blocks)
-        for b in blocks:
-            self._holders[b.block_id] = self._holders.get(b.block_id, 0) + 1
+            held -= {(g, b.block_id) for g, blocks in enumerate(old.group_blocks) for b in blocks
+                     if self._holders[(g, b.block_id)] == 1}
+        held |= {(g, b.block_id) for g, blocks in enumerate(group_blocks) for b in blocks}
+        for g, cap in enumerate(self.max_group_blocks):
+            total = sum(1 for group, _ in held if group == g)
+            if total > cap:
+                raise ValueError(f"prompt: pinning {len(group_blocks[g])} blocks would hold {total} pinned blocks"
+                                 f"{f' in cache group {g}' if len(self.max_group_blocks) > 1 else ''}, over the "
+                                 f"cap of {cap} (max_pinned_fraction of {self.kv.pools[g].num_usable_blocks})")
+        for g, blocks in enumerate(group_blocks):
+            self.kv.pools[g].touch(blocks)
+            for b in blocks:
+                self._holders[(g, b.block_id)] = self._holders.get((g, b.block_id), 0) + 1
         if old is not None:
             self._release(old)
-        pin = Pin(pin_id, cache_salt, blocks, len(blocks) * self.kv.block_size,
+        pin = Pin(pin_id, cache_salt, group_blocks, len(hashes) * self.kv.block_size,
                   None if ttl_s is None else now + ttl_s)
         self.pins[pin_id] = pin
         return pin
@@ -111,10 +132,11 @@ class PinnedPrefixes:
         return gone
 
     def _release(self, pin: Pin) -> None:
-        for b in pin.blocks:
-            left = self._holders[b.block_id] - 1
-            if left:
-                self._holders[b.block_id] = left
-            else:
-                del self._holders[b.block_id]
-        self.kv.pool.free_blocks(reversed(pin.blocks))
+        for g, blocks in enumerate(pin.group_blocks):
+            for b in blocks:
+                left = self._holders[(g, b.block_id)] - 1
+                if left:
+                    self._holders[(g, b.block_id)] = left
+                else:
+                    del self._holders[(g, b.block_id)]
+            self.kv.pools[g].free_blocks(reversed(blocks))

@@ -1,6 +1,8 @@
 """Block tables of one sliding-window layer group."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.full_attention import FullAttentionManager, cdiv
 from kvos.cache.sequence import CacheableSequence
@@ -37,24 +39,56 @@ class SlidingWindowManager(FullAttentionManager):
         are all cached: null placeholders then those blocks. Not downward closed (a hit at L
         says nothing of L - 1), hence the coordinator's fixed point. Scans right to left for
         the first run of k cached blocks (or a run reaching block 0)."""
-        null = self.pool.null_block
-        k = cdiv(self.window - 1, self.block_size)
         max_blocks = min(max_blocks, len(hashes))
         if max_blocks <= 0 or not self.pool.enable_caching:
             return []
+        n = self.hit_length(lambda i: self.pool.lookup(hashes[i]) is not None, max_blocks)
+        needed = self.needed_blocks(n)
+        return [self.pool.null_block] * needed.start + [self.pool.lookup(hashes[i]) for i in needed]  # type: ignore[misc]
+
+    @property
+    def window_blocks(self) -> int:
+        """``k``: the blocks that a hit's window reads, ``cdiv(window - 1, block_size)``."""
+        return cdiv(self.window - 1, self.block_size)
+
+    def needed_blocks(self, length: int) -> range:
+        """The blocks ``[length - k, length)`` (clamped at 0) that the window ending there reads."""
+        return range(max(0, length - self.window_blocks), length)
+
+    def hit_length(self, held: Callable[[int], bool], max_blocks: int) -> int:
+        """The longest ``L <= max_blocks`` whose needed blocks are all ``held``: scans right to
+        left for the first run of ``k`` held blocks (or a run reaching block 0, before which
+        everything counts as held)."""
+        k = self.window_blocks
+        if max_blocks <= 0:
+            return 0
         if k == 0:
-            return [null] * max_blocks
+            return max_blocks
         run, end = 0, 0
         for i in range(max_blocks - 1, -1, -1):
-            if self.pool.lookup(hashes[i]) is None:
+            if not held(i):
                 run = 0
                 continue
             if run == 0:
                 end = i + 1
             run += 1
             if run >= k or i == 0:
-                return [null] * (end - run) + [self.pool.lookup(h) for h in hashes[end - run: end]]  # type: ignore[misc]
-        return []
+                return end
+        return 0
+
+    def drop_unneeded(self, request_id: str, positions: Iterable[int]) -> None:
+        """Null out ``positions`` (blocks behind the window, holding no KV) and free them
+        unregistered, so that nothing registers their garbage under a hash. Safe only for
+        positions behind the window at the request's computed length."""
+        table = self.tables.get(request_id, [])
+        null = self.pool.null_block
+        for i in positions:
+            block = table[i]
+            if block.is_null:
+                continue
+            assert block.block_hash is None, "a dropped block must not be cached"
+            table[i] = null
+            self.pool.free_blocks([block])
 
     def remove_skipped_blocks(self, seq: CacheableSequence, hashes: list[BlockHash], root: BlockHash) -> None:
         """Release the blocks no future token of ``seq`` reads. Safe because every token of such

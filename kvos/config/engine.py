@@ -1,22 +1,24 @@
 """The engine's one configuration object."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from kvos.cache.eviction import POLICIES as EVICTION_POLICIES
+from kvos.cache.eviction import EVICTION_POLICIES, online_policies
 from kvos.cache.tiers.hierarchy import WRITE_POLICIES
+from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
+from kvos.scheduler.scheduler import SchedulerConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
-SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
-PREEMPTION_ORDERS = ("latest", "least_progress")
 KV_LAYOUTS = ("unified", "equal_pages", "homogeneous")
 PREEMPTION_MODES = ("recompute", "swap")
 TIER_VERIFY = ("auto", "host", "device")
 TIERS = "tiers below the device"  # the CLI's argument group for these fields
 
-# Each field's metadata drives its ``kvos`` flag (kvos.cli.add_engine_args): "help", "choices", and where the
-# default spelling (--field-name) does not fit, "flag", "aliases", "dest", "negate" (a bool flag that turns
-# the field off), "group" (the help section; default "engine").
+# Each field's metadata drives its ``kvos`` flag (kvos.config.flags.add_config_args): "help", "choices" (a
+# tuple, or a registry read when the parser is built), and where the default spelling (--field-name) does not
+# fit, "flag", "aliases", "dest", "negate" (a bool flag that turns the field off), "group" (the help section;
+# default "engine"). The policies' choices are their registries' names; the scheduler's fields take their
+# defaults from SchedulerConfig (one default each).
 
 
 @dataclass
@@ -54,8 +56,10 @@ class EngineConfig:
         "help": "KV pool budget (default: 2 GiB on CPU; on a GPU, profiled from --gpu-memory-utilization)"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "pool size in pages: blocks, or large pages of a hybrid pool (overrides the budget)"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens one engine step may schedule"})
-    max_num_seqs: int = field(default=128, metadata={"help": "sequences one engine step may run"})
+    max_num_batched_tokens: int = field(default=SchedulerConfig.max_num_batched_tokens, metadata={
+        "help": "tokens one engine step may schedule"})
+    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata={
+        "help": "sequences one engine step may run"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest sequence, prompt and output (default: the model's context length)"})
     dtype: str | None = field(default=None, metadata={"help": "default: bfloat16 on a GPU, float32 on the CPU"})
@@ -65,18 +69,20 @@ class EngineConfig:
                 "and kv head (about half of bf16's bytes)"})
     device: str = field(default="auto", metadata={
         "help": "torch device, e.g. cpu or cuda; auto: cuda when a GPU is visible, else cpu"})
-    scheduling_policy: str = field(default="fcfs", metadata={
-        "choices": SCHEDULING_POLICIES,
+    scheduling_policy: str = field(default=SchedulerConfig.scheduling_policy, metadata={
+        "choices": WAITING_POLICIES,
         "help": "fcfs: arrival order; priority: lower value first; lpm: longest cached prefix first"})
-    fairness_steps: int = field(default=64, metadata={
+    fairness_steps: int = field(default=SchedulerConfig.fairness_steps, metadata={
         "help": "lpm: a request overtaken by later arrivals for this many steps goes first"})
     eviction_policy: str = field(default="lru", metadata={
-        "choices": EVICTION_POLICIES, "help": "which unreferenced cached block is evicted first"})
-    eviction_lookahead: int = field(default=256, metadata={
+        "choices": online_policies,
+        "help": "which unreferenced cached block is evicted first (the simulator also takes belady, the offline "
+                "optimum)"})
+    eviction_lookahead: int = field(default=SchedulerConfig.eviction_lookahead, metadata={
         "help": "cached prefixes that the next N waiting requests will hit are evicted last, the one wanted "
                 "farthest back in the queue first (0: off)"})
-    preemption_order: str = field(default="latest", metadata={
-        "choices": PREEMPTION_ORDERS,
+    preemption_order: str = field(default=SchedulerConfig.preemption_order, metadata={
+        "choices": VICTIM_ORDERS,
         "help": "preemption victim: lowest priority, then the latest arrival (latest) or the one losing the "
                 "least progress (least_progress)"})
     kv_events: bool = field(default=False, metadata={
@@ -134,26 +140,20 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        self.scheduler_config()  # the scheduler's fields are checked there
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
             raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be 'unified', 'equal_pages' or 'homogeneous', got {self.kv_layout!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        for name, allowed in (("eviction_policy", EVICTION_POLICIES), ("scheduling_policy", SCHEDULING_POLICIES),
-                              ("preemption_order", PREEMPTION_ORDERS), ("tier_verify", TIER_VERIFY)):
+        for name, allowed in (("eviction_policy", tuple(EVICTION_POLICIES)), ("tier_verify", TIER_VERIFY)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.tier_lookahead, int) or self.tier_lookahead < 0:
             raise ValueError(f"tier_lookahead must be a non-negative integer, got {self.tier_lookahead!r}")
-        if not isinstance(self.eviction_lookahead, int) or self.eviction_lookahead < 0:
-            raise ValueError(f"eviction_lookahead must be a non-negative integer, got {self.eviction_lookahead!r}")
-        if not isinstance(self.fairness_steps, int) or self.fairness_steps < 1:
-            raise ValueError(f"fairness_steps must be a positive integer, got {self.fairness_steps!r}")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -164,3 +164,7 @@ class EngineConfig:
             from kvos.cache.tiers.codec import load_key_file
 
             load_key_file(self.tier_encryption_key_file)  # raises ValueError naming tier_encryption_key_file
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's settings: this config's fields of the same names."""
+        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)})

@@ -48,12 +48,8 @@ class BlockAdopter:
         self.runner.write_blocks([b.block_id for b in blocks], span if len(local) == len(span) else span[local])
         self.blocks += len(blocks)
         self.bytes += len(blocks) * rows.shape[1]
-        saved, pool.newly_cached = pool.newly_cached, None  # (not this engine's to write through)
-        try:
-            for i, block in zip(todo, blocks):
-                pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else parent, depth=depth + i)
-        finally:
-            pool.newly_cached = saved
+        for i, block in zip(todo, blocks):  # adopted: not this engine's to write through
+            pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else parent, depth=depth + i, adopted=True)
         pool.free_blocks(reversed(blocks))
         return len(blocks)
 

@@ -8,6 +8,7 @@ import torch
 
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool
+from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.tiers import (
     CPUTier,
     DiskTier,
@@ -15,6 +16,8 @@ from kvos.cache.tiers import (
     TierHierarchy,
     TransferTier,
     allocate_bytearray,
+    group_key,
+    group_tags,
 )
 from kvos.cache.tiers.codec import sealed_codec_from_file
 from kvos.connector.tier_io import LoadedBlocks, TierIO, host_digest
@@ -52,6 +55,17 @@ def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_
     if remote_cache:
         tiers.append(RedisTier(remote_cache, codec=codec))
     return TierHierarchy(tiers, write_policy) if tiers else None
+
+
+@dataclass
+class _GroupLoad:
+    """One cache group's part of a ``PrefixLoad``: ``keys`` (tier keys) into ``block_ids``, the
+    first of them the load's block ``first`` (counted after the device hit)."""
+
+    group: int
+    first: int
+    block_ids: list[int]
+    keys: list[BlockHash]
 
 
 @dataclass
@@ -98,9 +112,17 @@ class OffloadManager:
     there must be exactly one).
 
     Safety rules: a computed block's bytes are read right after the step that registered it
-    (write-through, all of the step's blocks in one batch) or inside the pool's eviction
-    callback, before the block's new owner writes it (write-back); loaded bytes are written only
-    into blocks of a request still LOADING.
+    (write-through, all of the step's blocks in one batch per cache group) or inside the pool's
+    eviction notice (``block_evicting``), before the block's new owner writes it (write-back);
+    loaded bytes are written only into blocks of a request still LOADING.
+
+    Cache groups (hybrid layouts): every group's blocks are stored, each under its tier key
+    (``kvos.cache.tiers.keys``: the chained hash bound to the group). A prefix counts as below
+    the device only as far as every group can restore it, by the device prefix cache's own
+    rule (``KVCacheManager.restorable_blocks``: full-attention groups need every block,
+    sliding-window groups only the window's at the prefix's end), and a load fetches just
+    those blocks; a sliding group's blocks behind that window are freed unloaded before the
+    request is handed back (``KVCacheManager.drop_unneeded``), so no garbage is ever cached.
 
     Lookups (``lookup``, the scheduler's ``lower_tier_lookup``) never touch a tier on the engine
     thread: each is one batched ``TierHierarchy.lookup`` on the I/O thread (behind the stores
@@ -110,7 +132,7 @@ class OffloadManager:
     ``finish_loading`` counts only what was loaded: the rest of the prompt is recomputed.
     """
 
-    def __init__(self, hierarchy: TierHierarchy, runner, pool: BlockPool, scheduler: Scheduler,
+    def __init__(self, hierarchy: TierHierarchy, runner, kv: KVCacheManager, scheduler: Scheduler,
                  lookahead: int = 0) -> None:
         self.h = hierarchy
         self.lookahead = lookahead
@@ -118,39 +140,61 @@ class OffloadManager:
         self.transfer = next((t for t in hierarchy.tiers if isinstance(t, TransferTier)), None)
         self._demand_of: tuple[str, ...] = ()  # the waiting head the CPU tier's demand was built from
         self.runner = runner
-        self.pool = pool
+        self.kv = kv
+        self.tags = group_tags(kv.layout)
+        """Per cache group, what its tier keys bind (``group_key``)."""
+        self.hybrid = kv.num_groups > 1
         self.scheduler = scheduler
         self.tier_io = TierIO(hierarchy, runner)
-        if self.cpu is not None and runner.device.type == "cuda":  # pin every slot up front, not mid-run
-            self.cpu.preallocate(runner.block_bytes, background=True)
+        if self.cpu is not None:  # slots fit every group's blocks (the first store would size them for its own)
+            largest = max(runner.group_block_bytes(g) for g in range(kv.num_groups))
+            if runner.device.type == "cuda":  # pin every slot up front, not mid-run
+                self.cpu.preallocate(largest, background=True)
+            else:
+                self.cpu.size_slots(largest)
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-tier-io")
-        self.pending: list[tuple[PrefixLoad, Future[LoadedBlocks]]] = []
-        self.storing: list[tuple[Future[None], list[KVBlock]]] = []
+        self.pending: list[tuple[PrefixLoad, list[_GroupLoad], Future[list[LoadedBlocks]]]] = []
+        self.storing: list[tuple[Future[None], BlockPool, list[KVBlock]]] = []
         """Write-through batches in flight, oldest first, with the blocks each holds."""
         self.lookups: dict[str, _Lookup] = {}
         """Per waiting request id: its latest lookup (answered or not). Entries of requests no
         longer waiting are dropped at the start of each step (``install_ready``)."""
         scheduler.lower_tier_lookup = self.lookup
-        if not any(t.receives_stores for t in hierarchy.tiers):
-            pass  # only transferred blocks: nothing of this engine's is stored
-        elif hierarchy.write_policy == "write_through":
-            pool.newly_cached = []
-        else:
-            pool.on_evict = self._on_evict
+        stores = any(t.receives_stores for t in hierarchy.tiers)  # else only transferred blocks
+        self._write_through = stores and hierarchy.write_policy == "write_through"
+        self._write_back = stores and not self._write_through
+        self._computed: list[tuple[int, KVBlock]] = []
+        """(group, block) registered since the last step's write-through, in order."""
+        if stores:  # one explicit call: the manager (and its pools) exist before the scheduler this needs
+            kv.add_listener(self)
+
+    def key(self, group: int, block_hash: BlockHash) -> BlockHash:
+        """The tier key of cache group ``group``'s block of ``block_hash``."""
+        return group_key(block_hash, self.tags[group])
+
+    # -- BlockPoolListener ---------------------------------------------------------------
+    def block_cached(self, group: int, block: KVBlock, adopted: bool) -> None:
+        if self._write_through and not adopted:  # adopted blocks are another engine's to store
+            self._computed.append((group, block))
+
+    def block_evicting(self, group: int, block: KVBlock) -> None:
+        if self._write_back:
+            assert block.block_hash is not None
+            self._store(group, [block], True)
 
     MAX_STORE_BACKLOG = 2
     """Write-through batches in flight at most: with that many in flight, a step's batch waits
     for the oldest (a tier slower than the engine slows it rather than losing blocks or
     holding device blocks without bound)."""
 
-    def _store(self, blocks: list[KVBlock], evicted: bool) -> None:
+    def _store(self, group: int, blocks: list[KVBlock], evicted: bool) -> None:
         """Write-back (``evicted``, inside the pool's eviction callback): read now, the block is
         about to be rewritten. Write-through: handed to the I/O thread (``store_computed``) with
         a reference held on each block until it is done, so the engine thread never waits."""
-        ids, hashes = [b.block_id for b in blocks], [b.block_hash for b in blocks]
+        ids, hashes = [b.block_id for b in blocks], [self.key(group, b.block_hash) for b in blocks]
         if evicted:
             digests: list[int] | None = [] if self.tier_io.digests else None
-            rows = self.runner.read_blocks(ids, digests)
+            rows = self.runner.read_blocks(ids, digests, group=group)
             self.io.submit(self.tier_io.store, hashes, rows, evicted, digests)
             return
         self.release_stored()
@@ -161,23 +205,20 @@ class OffloadManager:
         if self.runner.device.type == "cuda":
             after = torch.cuda.Event()
             after.record()
-        self.pool.touch(blocks)
-        self.storing.append((self.io.submit(self.tier_io.store_computed, hashes, ids, after), blocks))
+        pool = self.kv.pools[group]
+        pool.touch(blocks)
+        self.storing.append((self.io.submit(self.tier_io.store_computed, hashes, ids, after, group), pool, blocks))
 
     def release_stored(self, wait: bool = False) -> None:
         """Engine thread: drop the references of write-through batches that are done (with
         ``wait``: of all, waiting for them). A failed batch only loses its stores."""
         while self.storing and (wait or self.storing[0][0].done()):
-            fut, blocks = self.storing.pop(0)
+            fut, pool, blocks = self.storing.pop(0)
             try:
                 fut.result()
             except Exception:  # the tier I/O failed: nothing was stored, the engine goes on
                 pass
-            self.pool.free_blocks(reversed(blocks))
-
-    def _on_evict(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
-        self._store([block], True)
+            pool.free_blocks(reversed(blocks))
 
     def publish_demand(self) -> None:
         """Tell the CPU tier which blocks the next ``lookahead`` waiting requests will hit
@@ -199,7 +240,8 @@ class OffloadManager:
         for rank in range(len(head) - 1, -1, -1):  # an earlier request's claim overwrites a later one's
             req = head[rank]
             n = (req.num_tokens - 1) // bs  # blocks it could hit (its last prompt token is always computed)
-            demand.update(zip(kv.block_hashes(req)[:n], zip([rank] * n, range(n))))
+            for g in range(kv.num_groups):
+                demand.update(zip([self.key(g, h) for h in kv.block_hashes(req)[:n]], zip([rank] * n, range(n))))
         self.cpu.set_demand(demand)
 
     def after_step(self) -> None:
@@ -207,11 +249,12 @@ class OffloadManager:
         registered this step; give back the blocks of finished reads (all of them, waiting,
         once no request is left, so an idle engine holds no block)."""
         self.publish_demand()
-        if self.pool.newly_cached:
-            blocks = [b for b in self.pool.newly_cached if b.block_hash is not None]
-            self.pool.newly_cached.clear()
-            if blocks:
-                self._store(blocks, False)
+        if self._computed:
+            computed, self._computed = self._computed, []
+            for g in range(self.kv.num_groups):
+                blocks = [b for group, b in computed if group == g and b.block_hash is not None]
+                if blocks:
+                    self._store(g, blocks, False)
         self.release_stored(wait=not self.scheduler.has_unfinished())
 
     def lookup(self, request: Request, hashes: list[BlockHash]) -> int | None:
@@ -229,8 +272,17 @@ class OffloadManager:
                 if known is not None:
                     return known
         asked = list(hashes)
-        self.lookups[request.request_id] = _Lookup(request, asked, self.io.submit(self.h.lookup, asked))
+        self.lookups[request.request_id] = _Lookup(request, asked, self.io.submit(self._count_below, asked))
         return None
+
+    def _count_below(self, hashes: list[BlockHash]) -> int:
+        """I/O thread: how many leading ``hashes`` (after the device hit) every group can restore
+        from the tiers. One group: the leading keys held. Several: each group's keys held, then
+        the prefix cache's rule (``restorable_blocks``; pure, reads no manager state)."""
+        if not self.hybrid:
+            return self.h.lookup(hashes)
+        held = [self.h.held([group_key(h, tag) for h in hashes]) for tag in self.tags]
+        return self.kv.restorable_blocks([got.__getitem__ for got in held], len(hashes))
 
     def _forget_settled(self) -> None:
         """Drop remembered lookups of requests that left the waiting state (admitted, finished,
@@ -242,8 +294,44 @@ class OffloadManager:
                         if e.request.status == RequestStatus.WAITING and requests.get(rid) is e.request}
 
     def dispatch(self, loads: list[PrefixLoad]) -> None:
+        """Start each load: per cache group, the blocks a hit of the load's length needs
+        (``KVCacheManager.needed_blocks``), into the request's blocks at those positions."""
         for load in loads:
-            self.pending.append((load, self.io.submit(self.tier_io.fetch, load.hashes)))
+            if not self.hybrid:
+                parts = [_GroupLoad(0, 0, load.block_ids, load.hashes)]
+            else:
+                start = load.request.num_computed_tokens // self.kv.block_size  # its device hit
+                tables = self.kv.block_tables(load.request.request_id)
+                parts = [_GroupLoad(g, need.start, [b.block_id for b in tables[g][start + need.start: start + need.stop]],
+                                    [self.key(g, h) for h in load.hashes[need.start: need.stop]])
+                         for g, need in enumerate(self.kv.needed_blocks(len(load.hashes)))]
+            self.pending.append((load, parts, self.io.submit(self._fetch, parts)))
+
+    def _fetch(self, parts: list[_GroupLoad]) -> list[LoadedBlocks]:
+        """I/O thread: each group's part of a load, one after the other."""
+        return [self.tier_io.fetch(p.keys, p.group if self.hybrid else None) for p in parts]
+
+    def _install(self, load: PrefixLoad, parts: list[_GroupLoad], got: list[LoadedBlocks]) -> list[str]:
+        """Engine thread: write what arrived of each group and return the sources of the blocks
+        the request may count computed: the longest prefix every group restored (the prefix
+        cache's rule); a sliding group's blocks behind that prefix's window are freed unloaded."""
+        if not self.hybrid:
+            self.tier_io.install(got[0], parts[0].block_ids)
+            return got[0].sources
+        held = [range(p.first, p.first + len(g.sources)).__contains__ for p, g in zip(parts, got)]
+        n = self.kv.restorable_blocks(held, len(load.hashes))
+        sources: list[str | None] = [None] * n
+        for p, g in zip(parts, got):
+            keep = max(0, min(len(g.sources), n - p.first))
+            self.tier_io.install(LoadedBlocks(g.sources[:keep], g.rows[:keep], g.ready), p.block_ids, p.group)
+            for i, src in enumerate(g.sources[:keep]):
+                sources[p.first + i] = sources[p.first + i] or src
+        start = load.request.num_computed_tokens // self.kv.block_size
+        for g, need in enumerate(self.kv.needed_blocks(n)):
+            if need.start:  # a sliding group: the blocks behind the window were not loaded
+                self.kv.drop_unneeded(load.request.request_id, g, range(start, start + need.start))
+        first = next((s for s in sources if s is not None), "")
+        return [s or first for s in sources]
 
     def install_ready(self, block: bool = False) -> None:
         """Install finished loads and forget lookups of requests no longer waiting. With
@@ -253,16 +341,16 @@ class OffloadManager:
         installing never waits for a transfer."""
         self._forget_settled()
         if block:
-            waiting = [f for _, f in self.pending] + [e.answer for e in self.lookups.values()
+            waiting = [f for _, _, f in self.pending] + [e.answer for e in self.lookups.values()
                                                       if not e.answer.done()]
             if waiting:
                 wait(waiting, return_when=FIRST_COMPLETED)
         if not self.pending:
             return
         still = []
-        for load, fut in self.pending:
+        for load, parts, fut in self.pending:
             if not fut.done():
-                still.append((load, fut))
+                still.append((load, parts, fut))
                 continue
             try:
                 got = fut.result()
@@ -271,9 +359,7 @@ class OffloadManager:
             req = load.request
             if req.request_id not in self.scheduler.loading:
                 continue  # aborted while loading: its blocks may belong to someone else now
-            if got is not None:
-                self.tier_io.install(got, load.block_ids)
-            self.scheduler.finish_loading(req, got.sources if got is not None else [])
+            self.scheduler.finish_loading(req, self._install(load, parts, got) if got is not None else [])
         self.pending = still
 
     def receive(self, hashes: list[BlockHash], rows) -> int:

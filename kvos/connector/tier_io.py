@@ -90,8 +90,9 @@ class TierIO:
         the device straight into its slots (``store_computed``)."""
 
     def store_computed(self, hashes: list[BlockHash], block_ids: list[int],
-                       after: torch.cuda.Event | None) -> None:
-        """I/O thread: write-through of blocks a step just computed, read from the device pages
+                       after: torch.cuda.Event | None, group: int | None = None) -> None:
+        """I/O thread: write-through of blocks of cache group ``group`` (None: the only one)
+        that a step just computed, stored under ``hashes`` (their tier keys), read from the device pages
         on the copy stream once ``after`` (recorded on the compute stream after that step) has
         passed. Into the CPU tier's slots directly (reserved, filled by one device-to-host copy
         each, framed once the copies are complete, with digests computed on the device), then
@@ -99,12 +100,12 @@ class TierIO:
 
         Safety: the caller holds a reference on every block until this returns, so no later step
         rewrites them (a cached block is immutable while referenced)."""
-        pages = self.runner.block_pages()
+        pages = self.runner.block_pages(group)
         with torch.cuda.stream(self.stream):  # a no-op without a stream (CPU)
             if after is not None and self.stream is not None:
                 self.stream.wait_event(after)
             if self.slots is None:
-                self.store(hashes, self.runner.read_blocks(block_ids), False)
+                self.store(hashes, self.runner.read_blocks(block_ids, group=group), False)
                 return
             digests = page_digests(pages, block_ids) if self.slots.digests else None
             host_digests = None
@@ -151,10 +152,11 @@ class TierIO:
         for i, key in enumerate(hashes):
             self.h.store(key, table[i].data, evicted, None if digests is None else digests[i])
 
-    def fetch(self, hashes: list[BlockHash]) -> LoadedBlocks:
-        """I/O thread: the leading ``hashes`` some tier holds, verified and staged on the device
-        (stops at the first miss or failed checksum); returns once the copies are complete."""
-        bb = self.runner.block_bytes
+    def fetch(self, hashes: list[BlockHash], group: int | None = None) -> LoadedBlocks:
+        """I/O thread: the leading ``hashes`` (tier keys of cache group ``group``'s blocks; None:
+        the only group) some tier holds, verified and staged on the device (stops at the first
+        miss or failed checksum); returns once the copies are complete."""
+        bb = self.runner.block_pages(group).shape[1]
         found: list[tuple[BlockHash, bytes | memoryview, int, int | None]] = []
         ready = None
         digests: list[int] = []
@@ -227,16 +229,17 @@ class TierIO:
             self.h.promote(key, data, tier, digests[i] if digests else None)
         return LoadedBlocks([self.h.tiers[t].name for _, _, t, _ in found], rows[: len(found)], ready)
 
-    def install(self, loaded: LoadedBlocks, block_ids: list[int]) -> None:
-        """Engine thread: scatter ``loaded`` into the first blocks of ``block_ids`` with one
-        device-side copy on the compute stream (only into blocks of a request still loading)."""
+    def install(self, loaded: LoadedBlocks, block_ids: list[int], group: int | None = None) -> None:
+        """Engine thread: scatter ``loaded`` into the first blocks of ``block_ids`` (of cache group
+        ``group``) with one device-side copy on the compute stream (only into blocks of a request
+        still loading)."""
         if not loaded.sources:
             return
         if loaded.ready is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(loaded.ready)
             loaded.rows.record_stream(compute)
-        self.runner.write_blocks(block_ids[: len(loaded.sources)], loaded.rows)
+        self.runner.write_blocks(block_ids[: len(loaded.sources)], loaded.rows, group=group)
 
     def close(self) -> None:
         self.verifiers.shutdown(wait=True)

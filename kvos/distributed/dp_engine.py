@@ -1,5 +1,6 @@
-"""Several engines (Ray actors or local processes) behind one router, with the ``AsyncEngine``
-interface the OpenAI server drives (``kvos serve --data-parallel N``)."""
+"""Several engines (Ray actors or local processes) behind one router: the ``EngineClient``
+(``kvos.engine.client``) the OpenAI server drives for ``kvos serve --data-parallel N``,
+``--prefill-engines`` and ``--transport process``/``ray``."""
 from __future__ import annotations
 
 import asyncio
@@ -16,11 +17,13 @@ from kvos.distributed.engines import TRANSPORTS, EngineDied, ProcessEngines, Ray
 from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.distributed.output_delta import OutputAccumulator
 from kvos.distributed.worker import EngineInfo, PollResult
-from kvos.engine.async_engine import (
+from kvos.engine.client import (
+    EngineHealth,
     EngineStopped,
     EngineUnavailable,
+    ModelFacts,
+    OutputChannel,
     RequestStream,
-    _Stream,
 )
 from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router, make_router
 
@@ -36,7 +39,7 @@ class _InFlight:
     priority: int
     salt: str | None
     retriable: bool
-    stream: _Stream
+    stream: OutputChannel
     hashes: list[bytes]
     predicted: int
     delivered: bool = False
@@ -126,6 +129,7 @@ class DataParallelEngine:
         self.tokenizer = self.engines.call_sync(0, "tokenizer")
         self.max_model_len = self.info.max_model_len
         self.model_id = self.info.model_id
+        self.model_facts = ModelFacts(self.model_id, self.max_model_len, self.info.vocab_size)
         self.block_size = self.info.block_size
         self.router_name = router
         self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]
@@ -143,7 +147,7 @@ class DataParallelEngine:
         self._tasks: list[asyncio.Task] = []
         self._closed: str | None = None
 
-    # -- the AsyncEngine interface ---------------------------------------------------------
+    # -- the EngineClient interface --------------------------------------------------------
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._poll_loop(i)) for i in range(len(self.engines))]
@@ -184,7 +188,7 @@ class DataParallelEngine:
             raise EngineStopped(self._closed)
         prompt = self._tokenize(prompt)
         hashes = self._hashes(prompt["prompt_token_ids"], cache_salt)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = OutputChannel.here()
         rec = _InFlight(request_id, -1, prompt, params, priority, cache_salt, retriable, stream, hashes, 0)
         self.num_pending += params.n
         try:
@@ -230,8 +234,7 @@ class DataParallelEngine:
         self.prefill_router.on_routed(j, rec.hashes)
         i = self.num_decode + j
         pre = _InFlight(f"{rec.request_id}-prefill", i, rec.prompt, SamplingParams(temperature=0, max_tokens=1),
-                        rec.priority, rec.salt, True, _Stream(asyncio.get_running_loop(), asyncio.Queue()),
-                        rec.hashes, 0)
+                        rec.priority, rec.salt, True, OutputChannel.here(), rec.hashes, 0)
         self._inflight[pre.request_id] = pre
         try:
             self._count(i, pre)
@@ -321,9 +324,6 @@ class DataParallelEngine:
     async def unpin(self, pin_id: str) -> bool:
         self._single()
         return await self.engines.call(0, "unpin", pin_id)
-
-    async def call(self, fn):
-        raise ValueError("this operation needs a single engine; this server runs --data-parallel")
 
     @property
     def num_in_flight(self) -> int:
@@ -443,6 +443,9 @@ class DataParallelEngine:
         """Prefill engines up (None without disaggregation). At 0 the decode engines compute
         the prompts themselves, so ``/health`` stays ok."""
         return None if self.prefill_router is None else sum(not d for d in self.down[self.num_decode:])
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(self.engines_up(), self.prefill_engines_up())
 
     def stats(self) -> dict:
         """The engines' figures summed (numbers at the top level), each engine's own under

@@ -30,6 +30,7 @@ class EngineInfo:
     block_size: int
     max_model_len: int
     pid: int
+    vocab_size: int
 
 
 @dataclass
@@ -92,7 +93,8 @@ class EngineWorker:
     # -- called by the front end -------------------------------------------------------
     def info(self) -> EngineInfo:
         e = self.engine
-        return EngineInfo(self.engine_id, e.kv.model_id, e.kv.block_size, e.max_model_len, os.getpid())
+        return EngineInfo(self.engine_id, e.kv.model_id, e.kv.block_size, e.max_model_len, os.getpid(),
+                          e.model_config.vocab_size)
 
     def tokenizer(self):
         return self.engine.tokenizer

@@ -1,4 +1,5 @@
-"""Runs an LLMEngine on its own thread and hands results to asyncio tasks."""
+"""Runs an LLMEngine on its own thread and hands results to asyncio tasks: the in-process
+``EngineClient`` (``kvos.engine.client``)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,56 +7,47 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TypeVar
 
 from kvos.cache.pins import PinInfo
 from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
+from kvos.engine.client import (
+    EngineHealth,
+    EngineStopped,
+    ModelFacts,
+    OutputChannel,
+    RequestStream,
+)
 from kvos.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvos.serve")
 T = TypeVar("T")
 
 
-class EngineStopped(RuntimeError):
-    """The server is shutting down: the request was cut (or never taken). The message names the
-    option that set the deadline. A 503 (or a stream's error event) with ``code``."""
-
-    code = "draining"
-
-
-class EngineUnavailable(EngineStopped):
-    """No engine can take or finish the request now: the engine serving a stream died, or every
-    engine of a data-parallel server is down (retry later)."""
-
-    code = "engine_unavailable"
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
 class AsyncEngine:
-    """Owns the engine thread; every engine call happens on that thread.
+    """The ``EngineClient`` of one ``LLMEngine`` in this process. Owns the engine thread; every
+    engine call that changes it happens on that thread (``stats`` only reads).
 
     Commands (add, abort) are queued and applied between steps, so a step never sees a half-added
     request. An exception in a step fails the requests of that step and the engine goes on.
-    ``generate`` aborts its request when the consumer stops iterating (client disconnect).
+    A ``RequestStream`` aborts its request when the consumer stops iterating (client disconnect).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputChannel] = {}
         self._stop = False
         self._closed: str | None = None  # set by cut_all: why new requests are refused
         self._thread = threading.Thread(target=self._run, name="kvos-engine", daemon=True)
         self.num_pending = 0  # sequences submitted with no output yet (event-loop thread only)
+        config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.model_facts = ModelFacts(engine.kv.model_id, engine.max_model_len, engine.model_config.vocab_size,
+                                      config.dtype, config.device)
 
     def start(self) -> None:
         self._thread.start()
@@ -73,7 +65,7 @@ class AsyncEngine:
         if self._closed is not None:
             raise EngineStopped(self._closed)
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = OutputChannel(loop)
         accepted = loop.create_future()
         self._submit(("add", (prompt, params, request_id, priority, cache_salt), stream, accepted))
         self.num_pending += params.n  # every sequence counts (a prompt forks into n)
@@ -101,7 +93,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_resolve, done, PinInfo.of(result, time.monotonic()))
 
         accepted = loop.create_future()
-        self._submit(("pin", (prompt, ttl_s, cache_salt, on_done), _Stream(loop, asyncio.Queue()), accepted))
+        self._submit(("pin", (prompt, ttl_s, cache_salt, on_done), OutputChannel(loop), accepted))
         await accepted
         return await done
 
@@ -117,13 +109,22 @@ class AsyncEngine:
         """Run ``fn`` on the engine thread between steps; returns its result."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._submit(("call", fn, _Stream(loop, asyncio.Queue()), done))
+        self._submit(("call", fn, OutputChannel(loop), done))
         return await done
 
     @property
     def num_in_flight(self) -> int:
         """Requests accepted and not finished (read from any thread; approximate)."""
         return len(self._streams)
+
+    def stats(self) -> dict:
+        """``LLMEngine.stats``, read from the event loop while the engine thread runs (counters
+        and sizes: each figure is current, not all of them of the same step)."""
+        return self.engine.stats()
+
+    def health(self) -> EngineHealth:
+        """One engine, in this process: serving while the server is."""
+        return EngineHealth()
 
     async def drain(self, timeout: float) -> None:
         """Wait until no request is in flight, or ``timeout`` seconds (graceful shutdown)."""
@@ -238,49 +239,3 @@ def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(error)
-
-
-class RequestStream:
-    """Cumulative outputs of one accepted request. ``aclose`` (or leaving ``async for`` early)
-    aborts it if unfinished, freeing its blocks at once."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream, num_seqs: int = 1) -> None:
-        self.engine = engine
-        self.num_seqs = num_seqs
-        self.request_id = request_id
-        self._stream = stream
-        self.arrival = time.monotonic()
-        self.first_output_time: float | None = None
-        self.last: RequestOutput | None = None
-        self._pending = True
-
-    def _got_output(self) -> None:
-        if self._pending:
-            self._pending = False
-            self.engine.num_pending -= self.num_seqs
-            self.first_output_time = time.monotonic()
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while self.last is None or not self.last.finished:
-                item = await self._stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self._got_output()
-                self.last = item
-                yield item
-        finally:
-            await self.aclose()
-
-    async def result(self) -> RequestOutput:
-        async for _ in self:
-            pass
-        assert self.last is not None
-        return self.last
-
-    async def aclose(self) -> None:
-        if self._pending:
-            self._pending = False
-            self.engine.num_pending -= self.num_seqs
-        if self.last is None or not self.last.finished:
-            self.engine.abort(self.request_id)

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvos.cache.block import BlockHash
+from kvos.cache.eviction import online_policies
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import build_layout
 from kvos.cache.pins import Pin, PinInfo, PinnedPrefixes
+from kvos.cache.tiers import TierHierarchy
 from kvos.config import EngineConfig
 from kvos.connector.block_adoption import BlockAdopter
 from kvos.connector.offload import OffloadManager, build_hierarchy
@@ -33,8 +35,9 @@ from kvos.models.loader import (
     resolve_config_path,
     resolve_model_path,
 )
+from kvos.scheduler.connector import KVConnectorScheduler
 from kvos.scheduler.describe import describe_step
-from kvos.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvos.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvos.worker.device import resolve_device
 from kvos.worker.runner import LaunchedStep, ModelRunner, parse_dtype
 
@@ -99,7 +102,16 @@ class LLMEngine:
     leaves the engine and other requests untouched.
     """
 
+    offload: KVConnectorScheduler | None
+    """The KV connector's scheduler side (``kvos.scheduler.connector``): blocks to and from the
+    tiers below the device, and blocks another engine prefilled (``receive``); None without tiers."""
+    tiers: TierHierarchy | None
+    """The tiers below the device that ``offload`` serves (None without)."""
+
     def __init__(self, config: EngineConfig) -> None:
+        if config.eviction_policy not in online_policies():
+            raise ValueError(f"eviction_policy {config.eviction_policy!r} reads the future (the simulator's "
+                             f"oracle); an engine takes one of {online_policies()}")
         self.config = config
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
@@ -127,12 +139,10 @@ class LLMEngine:
             raise ValueError(f"the KV budget holds fewer than two pages of {self.layout.large_page_bytes} bytes "
                              f"(kv_cache_memory_bytes={config.kv_cache_memory_bytes}, "
                              f"gpu_memory_utilization={config.gpu_memory_utilization})")
-        hybrid = len(self.layout.groups) > 1
-        if hybrid and (config.cpu_cache_gb or config.disk_cache_dir or config.remote_cache or config.kv_transfer_gb
-                       or config.preemption_mode == "swap"):
-            raise ValueError("tiers below the device (cpu_cache_gb, disk_cache_dir, remote_cache) and "
-                             "preemption_mode='swap' need a single cache group; this model's layout "
-                             f"{config.kv_layout!r} has {len(self.layout.groups)} (use kv_layout='homogeneous')")
+        if len(self.layout.groups) > 1 and config.kv_transfer_gb:
+            raise ValueError("kv_transfer_gb: disaggregated prefill sends one cache group's block rows (the "
+                             f"sender's read_blocks), and this model's layout {config.kv_layout!r} has "
+                             f"{len(self.layout.groups)} groups; use kv_layout='homogeneous'")
         model_id = model_fingerprint(path, self.kv_cache_dtype, config.random_weights)
         self.kv = KVCacheManager(self.layout, num_blocks, model_id=model_id,
                                  enable_caching=config.enable_prefix_caching, policy=config.eviction_policy)
@@ -149,9 +159,7 @@ class LLMEngine:
         allocation, CUDA graph capture)."""
         log.info("engine start-up: %s (%d KV blocks)",
                  ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()), num_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.scheduling_policy, config.preemption_order,
-                                                   config.fairness_steps, config.eviction_lookahead), self.kv)
+        self.scheduler = Scheduler(config.scheduler_config(), self.kv)
         relax_gc_thresholds()
         self.steps, self.step_seconds, self.batched_tokens = 0, 0.0, 0
         """Steps scheduled, wall seconds spent inside ``step``, tokens those steps computed."""
@@ -169,16 +177,16 @@ class LLMEngine:
                                     transfer_gb=config.kv_transfer_gb,
                                     device_verify=config.tier_verify == "device" or (
                                         config.tier_verify == "auto" and self.runner.device.type == "cuda"))
-        self.offload = (OffloadManager(hierarchy, self.runner, self.kv.pool, self.scheduler, config.tier_lookahead)
+        self.offload = (OffloadManager(hierarchy, self.runner, self.kv, self.scheduler, config.tier_lookahead)
                         if hierarchy else None)
+        self.tiers = hierarchy
         self._adopter = BlockAdopter(self.kv, self.runner)
         if config.preemption_mode == "swap":
-            self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)))
+            self.scheduler.swapper = HostSwapSpace(self.runner, int(config.swap_space_gb * (1 << 30)), self.kv)
         self._user_requests: dict[str, _UserRequest] = {}
         self._user_request_of: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
-        self.pins = (PinnedPrefixes(self.kv, config.max_pinned_fraction)
-                     if config.enable_prefix_caching and self.kv.num_groups == 1 else None)
+        self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction) if config.enable_prefix_caching else None
         self._pending_pins: dict[str, _PendingPin] = {}  # compute request id -> pin to take
         self.schedule_hook = None
         """Called with each step's SchedulerOutput before it runs (tests compare the simulator)."""
@@ -277,8 +285,7 @@ class LLMEngine:
         eviction policy takes them meanwhile. The pin is taken when that request finishes;
         ``on_done`` then gets the ``Pin`` or the error (e.g. over ``max_pinned_fraction``)."""
         if self.pins is None:
-            raise ValueError("pinned prefixes need prefix caching and a single cache group "
-                             "(enable_prefix_caching, kv_layout='homogeneous' for hybrid models)")
+            raise ValueError("pinned prefixes need prefix caching (enable_prefix_caching)")
         if ttl_s is not None and (not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
             raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
         _, ids = self.tokenize_prompt(prompt)
@@ -434,8 +441,8 @@ class LLMEngine:
              "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting(),
              "loading": len(self.scheduler.loading), "steps": self.steps, "step_seconds": self.step_seconds,
              "batched_tokens": self.batched_tokens}
-        if self.offload is not None:
-            s["tiers"] = self.offload.h.usage()
+        if self.tiers is not None:
+            s["tiers"] = self.tiers.usage()
         if self._adopter.used:
             s.update(self._adopter.stats())
         return s

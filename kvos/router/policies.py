@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from typing import TypeVar
 
 from kvos.core.kv_events import CachedBlockSet, KVEventBatch, KVSnapshot
 from kvos.core.load import EngineLoad
@@ -19,33 +20,17 @@ from kvos.core.load import EngineLoad
 BlockHash = bytes
 
 DEFAULT_KV_WEIGHT = 64.0
-"""kv_aware's default overlap weight. Dynamo's default is 1; on the Mooncake conversation trace
-(``kvos bench routing``, 16 engines, queue weight 1) 1 hits 14.4% of prompt blocks, 4 hits 20.4%
-and 16 hits 22.3%: a prefill block costs far more than a decoding one. With the queue weight at
-0.25, 64 hits 24.8% (0.97 of one engine with all the memory)."""
+"""kv_aware's default overlap weight (Dynamo's is 1; figures: benchmarks/routing.md)."""
 
 DEFAULT_QUEUE_WEIGHT = 0.25
 """What a block of an engine's pending prefill costs, against a block of the request's own
-prefill. At 1 (Dynamo's cost), a conversation's next turn left the engine holding its prefix
-whenever that engine's queue outweighed the hit: 9.8% of the trace's requests went to an engine
-with fewer cached blocks (16 engines, overlap weight 16), losing 11% of the hits. The queue is
-work the fleet does anyway; computing the prefix again elsewhere adds to it and splits the
-conversation. At 0.25: 4.3% of requests moved that way, and the hit rate rose from 0.88 to 0.97
-of the reference, p90 TTFT from 0.55 to 0.58 s. At 0 (queues ignored) p90 TTFT was 2.9 s."""
-
+prefill (Dynamo's cost: 1; figures: benchmarks/routing.md)."""
 
 DEFAULT_BALANCE_ABS = 8
 DEFAULT_BALANCE_REL = 2.0
 """kv_aware's balance guard: an engine with more than ``DEFAULT_BALANCE_ABS`` requests (waiting
 and running) over the least loaded one, and over ``DEFAULT_BALANCE_REL`` times its count, is
-not chosen, whatever it holds. Without it, a few hot prefixes stay where they were first
-computed: 4 shared system prompts split 3 to 1 on two engines whose pools held everything, and
-the engine with three decoded three quarters of the requests (``kvos bench fleet``, CPU). The
-request that goes elsewhere puts its prefix there, and the cost spreads the next ones. SGLang's
-router has such a guard at 64 requests and 1.5x. At 1.5x here the guard also moved
-conversations away from their history in ordinary swings of load (2 x H200, chats of up to
-3,200 tokens: p90 TTFT 106 -> 131 ms); at 2x it did not (98 ms), and it still spread the hot
-prompts."""
+not chosen, whatever it holds, so hot prefixes spread (figures: benchmarks/routing.md)."""
 DEFAULT_BALANCE = (DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL)
 
 
@@ -68,6 +53,13 @@ class Router(ABC):
     """Whether ``choose`` reads ``loads`` (a caller may pass an empty list otherwise)."""
     uses_events = False
     """Whether the router reads KV events (a caller need not publish them otherwise)."""
+
+    @classmethod
+    def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
+               balance: tuple[int, float]) -> Router:
+        """A router of this class from every router setting (``make_router``'s); override when
+        the constructor takes any beyond the engines and the block size."""
+        return cls(num_engines, block_size)
 
     def __init__(self, num_engines: int, block_size: int = 16) -> None:
         if num_engines < 1:
@@ -123,6 +115,21 @@ class Router(ABC):
         self.live[engine] = False
 
 
+ROUTERS: dict[str, type[Router]] = {}
+"""Routers by name, filled by ``register_router``: the choices of ``--router``."""
+
+_R = TypeVar("_R", bound=type[Router])
+
+
+def register_router(cls: _R) -> _R:
+    """Class decorator: make ``cls`` selectable by its ``name`` (``make_router``, ``--router``)."""
+    if cls.name in ROUTERS:
+        raise ValueError(f"router {cls.name!r} is already registered")
+    ROUTERS[cls.name] = cls
+    return cls
+
+
+@register_router
 class RoundRobin(Router):
     """Live engines in turn: ``0, 1, ..., n-1, 0, ...`` (skipping removed ones), blind to load
     and cache."""
@@ -143,6 +150,7 @@ class RoundRobin(Router):
         return e
 
 
+@register_router
 class LeastLoaded(Router):
     """The engine with the least ``EngineLoad.blocks`` (prefill tokens in blocks plus active
     blocks); ties go to fewer requests (waiting + running), then fewer routed so far, then the
@@ -157,6 +165,7 @@ class LeastLoaded(Router):
                                                 self.routed[e], e))
 
 
+@register_router
 class KVAware(Router):
     """NVIDIA Dynamo's KV-router cost, on an index per engine built from its KV events.
 
@@ -181,6 +190,11 @@ class KVAware(Router):
 
     name = "kv_aware"
     uses_events = True
+
+    @classmethod
+    def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
+               balance: tuple[int, float]) -> Router:
+        return cls(num_engines, block_size, overlap_weight, balance_abs=balance[0], balance_rel=balance[1])
 
     def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
                  queue_weight: float = DEFAULT_QUEUE_WEIGHT, balance_abs: int = DEFAULT_BALANCE_ABS,
@@ -244,6 +258,7 @@ class KVAware(Router):
         self.index[engine] = CachedBlockSet()
 
 
+@register_router
 class Approx(KVAware):
     """``kv_aware``'s cost without events: ``H_e`` comes from the router's own record of the
     prompt blocks it sent to each engine, an LRU of at most ``capacity_blocks`` hashes per
@@ -255,6 +270,11 @@ class Approx(KVAware):
 
     name = "approx"
     uses_events = False
+
+    @classmethod
+    def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
+               balance: tuple[int, float]) -> Router:
+        return cls(num_engines, block_size, overlap_weight, capacity_blocks, balance)
 
     def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
                  capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE) -> None:
@@ -299,38 +319,12 @@ class Approx(KVAware):
         self.sent[engine] = OrderedDict()
 
 
-ROUTERS: tuple[str, ...] = ("round_robin", "least_loaded", "kv_aware", "approx")
-_CLASSES: dict[str, type[Router]] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded,
-                                     "kv_aware": KVAware, "approx": Approx}
-
-
 def make_router(name: str, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
                 capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE) -> Router:
     """A router by name (``ROUTERS``); ``overlap_weight`` and ``balance`` (the guard's requests
     over the least loaded engine and ratio; ratio 0: off) apply to kv_aware and approx,
     ``capacity_blocks`` (the blocks approx remembers per engine) to approx."""
-    if name not in _CLASSES:
+    cls = ROUTERS.get(name)
+    if cls is None:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
-    if name == "approx":
-        return Approx(num_engines, block_size, overlap_weight, capacity_blocks, balance)
-    if name == "kv_aware":
-        return KVAware(num_engines, block_size, overlap_weight, balance_abs=balance[0], balance_rel=balance[1])
-    return _CLASSES[name](num_engines, block_size)
-
-
-def add_router_balance_arg(p) -> None:
-    """``--router-balance ABS,REL`` on an argparse parser (``a.router_balance``: ``(int, float)``)."""
-    import argparse
-
-    def pair(text: str) -> tuple[int, float]:
-        parts = text.replace(",", " ").split()
-        if len(parts) != 2:
-            raise argparse.ArgumentTypeError(f"give ABS,REL (e.g. 8,2), got {text!r}")
-        abs_, rel = int(parts[0]), float(parts[1])
-        if (err := balance_error(abs_, rel)) is not None:
-            raise argparse.ArgumentTypeError(err)
-        return abs_, rel
-    p.add_argument("--router-balance", type=pair, default=DEFAULT_BALANCE, metavar="ABS,REL",
-                   help="kv_aware/approx balance guard: an engine with more than ABS requests over the least "
-                        f"loaded one and over REL times its count is not chosen (default "
-                        f"{DEFAULT_BALANCE_ABS},{DEFAULT_BALANCE_REL:g}; REL 0: off)")
+    return cls.create(num_engines, block_size, overlap_weight, capacity_blocks, balance)

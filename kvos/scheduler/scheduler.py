@@ -10,38 +10,38 @@ from kvos.cache.block import KVBlock
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.core.load import EngineLoad
 from kvos.core.request import Request, RequestStatus
+from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
 
 
 @dataclass
 class SchedulerConfig:
+    """The scheduler's settings: ``EngineConfig``'s fields of the same names
+    (``EngineConfig.scheduler_config()`` builds it; defaults and help are there). The checks of
+    these fields live here, once; ``EngineConfig`` runs them by building this."""
+
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    policy: str = "fcfs"  # "priority": lower ``priority`` value first; "lpm": longest cached prefix first
+    scheduling_policy: str = "fcfs"
+    """A name in ``WAITING_POLICIES``: the waiting queue's order."""
     preemption_order: str = "latest"
-    """Victim when blocks run out: lowest priority (highest value; under "priority" only), then the
-    latest arrival ("latest"); or lowest priority, then the least progress lost, i.e. fewest
-    computed tokens ("least_progress")."""
+    """A name in ``VICTIM_ORDERS``: which running sequence is preempted when blocks run out."""
     fairness_steps: int = 64
     """lpm: a request waiting this many steps goes ahead of every later arrival."""
     eviction_lookahead: int = 256
     """Cached prefixes that the next this-many waiting requests will hit are evicted only when
-    nothing else is left, the one wanted farthest back in the queue first (vLLM RFC #48485's
-    idea; the queue gives their next use). It changes which cached block goes, never admission.
-    0: off."""
+    nothing else is left, the one wanted farthest back in the queue first. It changes which
+    cached block goes, never admission. 0: off."""
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.policy not in ("fcfs", "priority", "lpm"):
-            raise ValueError(f"policy must be 'fcfs', 'priority' or 'lpm', got {self.policy!r}")
-        if self.preemption_order not in ("latest", "least_progress"):
-            raise ValueError(f"preemption_order must be 'latest' or 'least_progress', got {self.preemption_order!r}")
-        if self.eviction_lookahead < 0:
-            raise ValueError(f"eviction_lookahead must be >= 0, got {self.eviction_lookahead}")
-        if self.fairness_steps < 1:
-            raise ValueError(f"fairness_steps must be >= 1, got {self.fairness_steps}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "fairness_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.eviction_lookahead, int) or self.eviction_lookahead < 0:
+            raise ValueError(f"eviction_lookahead must be a non-negative integer, got {self.eviction_lookahead!r}")
+        for name, registry in (("scheduling_policy", WAITING_POLICIES), ("preemption_order", VICTIM_ORDERS)):
+            if getattr(self, name) not in registry:
+                raise ValueError(f"{name} must be one of {tuple(registry)}, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -111,11 +111,11 @@ class SchedulerOutput:
 class Scheduler:
     """Decides each step which sequences run and how many tokens each computes.
 
-    Running sequences go first (decodes and unfinished prefill chunks), then waiting ones while
-    the token budget, ``max_num_seqs`` and free blocks allow. When blocks run out, the victim is
-    the running sequence with the lowest priority (highest value), latest arrival first; its
-    blocks are freed (full ones stay cached) and it rejoins the waiting queue, to resume by
-    recompute with prefix hits.
+    Running sequences go first (decodes and unfinished prefill chunks), then waiting ones, in
+    the order of the ``scheduling_policy``, while the token budget, ``max_num_seqs`` and free
+    blocks allow. When blocks run out, the ``preemption_order`` names the victim; its blocks are
+    freed (full ones stay cached) and it rejoins the waiting queue, to resume by recompute with
+    prefix hits (or by swap-in).
 
     ``schedule`` counts a step's tokens as computed and its samples as pending
     (``Request.num_pending``) at once; ``update_from_output`` delivers the tokens. So the next
@@ -127,8 +127,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        self.queue_policy = WAITING_POLICIES[config.scheduling_policy](config)
+        self.victim_order = VICTIM_ORDERS[config.preemption_order](config, self.queue_policy)
+        self._key = self.queue_policy.key  # bound once: the hot path makes one call per key
+        self._victim_key = self.victim_order.key
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, int, int], Request]] = []
+        self._waiting: list[tuple[tuple, Request]] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.loading: dict[str, Request] = {}
@@ -142,9 +146,6 @@ class Scheduler:
         self.num_steps = 0
 
     # -- queue management ----------------------------------------------------------------
-    def _key(self, req: Request) -> tuple[int, int, int]:
-        return (req.priority if self.config.policy == "priority" else 0, req.arrival, req.sample_index)
-
     def num_waiting(self) -> int:
         return len(self._waiting)
 
@@ -204,12 +205,6 @@ class Scheduler:
         req.queued_at_step = self.num_steps
         self.kv.counters.preemptions += 1
         heapq.heappush(self._waiting, (self._key(req), req))
-
-    def _victim_key(self, req: Request) -> tuple:
-        """The running sequence with the largest key is preempted first."""
-        if self.config.preemption_order == "least_progress":
-            return (req.priority, -req.num_computed_tokens, req.arrival, req.sample_index)
-        return self._key(req)
 
     def load(self) -> EngineLoad:
         """This engine's load as a router sees it: waiting and running sequences, prompt tokens
@@ -274,8 +269,8 @@ class Scheduler:
 
         loads: list[PrefixLoad] = []
         if not preempted:
-            if self.config.policy == "lpm":
-                self._order_by_prefix_match()
+            if self.queue_policy.reorders:
+                self._waiting = self.queue_policy.reorder(self._waiting, self.kv, self.num_steps)
             seats = sum(self._seats(r) for r in self.running) + sum(self._seats(r) for r in self.loading.values())
             while self._waiting and budget > 0:
                 _, req = self._waiting[0]
@@ -419,30 +414,6 @@ class Scheduler:
             self.kv.counters.recomputed_tokens += req.max_computed_tokens - req.num_computed_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-
-    LPM_WINDOW = 256
-
-    def _order_by_prefix_match(self) -> None:
-        """Longest-prefix-match first (SGLang's cache-aware order) among the oldest
-        ``LPM_WINDOW`` waiting requests; ties and the rest stay first come, first served. A
-        request that has waited ``fairness_steps`` steps goes ahead of all (oldest first), so
-        no request waits longer than that behind later arrivals while it could be admitted."""
-        if len(self._waiting) < 2:
-            return
-        entries = sorted(self._waiting, key=lambda e: (e[1].arrival, e[1].sample_index))
-        head, tail = entries[: self.LPM_WINDOW], entries[self.LPM_WINDOW:]
-        overdue = self.num_steps - self.config.fairness_steps
-
-        def key(r: Request, hit: int) -> tuple:
-            if r.queued_at_step <= overdue:
-                return (0, 0, r.arrival, r.sample_index)  # overdue: first come, first served
-            return (1, -hit, r.arrival, r.sample_index)
-
-        keyed = [(key(r, 0 if r.needs_all_prompt_positions else self.kv.longest_hit_tokens(r, r.num_tokens - 1)), r)
-                 for _, r in head]
-        keyed += [(key(r, 0), r) for _, r in tail]
-        heapq.heapify(keyed)
-        self._waiting = keyed
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens

@@ -17,9 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import kvos
 from kvos.cache.pins import PinInfo
 from kvos.core.sampling_params import SamplingParams
-from kvos.engine.async_engine import EngineStopped, RequestStream
 from kvos.engine.chat import chat_prompt_ids, has_chat_template
-from kvos.engine.llm_engine import LLMEngine
+from kvos.engine.client import EngineClient, EngineStopped, RequestStream
 from kvos.serve.errors import APIError, clip, error_response, install_error_handlers
 from kvos.serve.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -96,23 +95,24 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = None,
+def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None = None,
                max_waiting: int = 256, warmup: bool = True, allowed_origins: list[str] | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> FastAPI:
-    """``allowed_origins``: turn CORS on for these origins (``["*"]``: any); off when None or
-    empty. ``max_request_bytes``: larger bodies get 413. ``shutdown_timeout_s``: how long
-    shutdown waits for requests in flight before cutting them (``app.state.kvos.drain``)."""
+    """Serve ``engine`` (the app's lifespan starts and shuts it down). ``allowed_origins``: turn
+    CORS on for these origins (``["*"]``: any); off when None or empty. ``max_request_bytes``:
+    larger bodies get 413. ``shutdown_timeout_s``: how long shutdown waits for requests in flight
+    before cutting them (``app.state.kvos.drain``)."""
     state = ServerState(engine, model_name, api_keys or [], max_waiting, shutdown_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.async_engine.start()
+        state.engine.start()
         task = asyncio.create_task(_warm_up(state) if warmup else _mark_ready(state))
         yield
         await state.drain()  # at once when the server's signal handler already drained
         task.cancel()
-        state.async_engine.shutdown()
+        state.engine.shutdown()
         if state.tokenizers is not None:
             state.tokenizers.shutdown()
 
@@ -135,13 +135,9 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
 
     @app.get("/health")
     async def health():
-        engines = getattr(state.async_engine, "engines_up", None)  # a data-parallel front end
-        up = engines() if engines is not None else None
-        if state.ready and not state.draining and up != 0:
-            if up is None:
-                return {"status": "ok"}
-            prefill = state.async_engine.prefill_engines_up()
-            return {"status": "ok", "engines_up": up, **({} if prefill is None else {"prefill_engines_up": prefill})}
+        engines = state.engine.health()
+        if state.ready and not state.draining and engines.serving:
+            return {"status": "ok", **engines.json()}
         status = "draining" if state.draining else "warming_up" if not state.ready else "no_engine"
         return JSONResponse({"status": status}, status_code=503)
 
@@ -180,7 +176,7 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
     async def detokenize(body: DetokenizeRequest):
         _check_model(state, body.model)
         state.require_tokenizer("tokens")
-        vocab = engine.model_config.vocab_size
+        vocab = state.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: every id must be in [0, {vocab}), got {bad}", param="tokens")
@@ -208,19 +204,19 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: list[str] | None = 
         else:
             prompt = (await _pretokenize(state, [body.prompt]))[0]
         salt = _salt(request, body.cache_salt)
-        pin = await state.async_engine.pin(prompt, body.ttl_s, salt)  # a ValueError is a 400 naming the field
+        pin = await state.engine.pin(prompt, body.ttl_s, salt)  # a ValueError is a 400 naming the field
         state.pin_tenants[pin.pin_id] = getattr(request.state, "tenant", None)
         return {"object": "cache.pin", **_pin_json(pin)}
 
     @v1.get("/cache/pins")
     async def list_pins(request: Request):
         mine = _tenant_pins(state, request)
-        pins = await state.async_engine.list_pins(mine)
+        pins = await state.engine.list_pins(mine)
         return {"object": "list", "data": [{"object": "cache.pin", **_pin_json(p)} for p in pins]}
 
     @v1.delete("/cache/pins/{pin_id}")
     async def unpin_prefix(pin_id: str, request: Request):
-        if pin_id not in _tenant_pins(state, request) or not await state.async_engine.unpin(pin_id):
+        if pin_id not in _tenant_pins(state, request) or not await state.engine.unpin(pin_id):
             raise APIError(404, f"pin_id: no pin {clip(pin_id)!r}", param="pin_id", code="pin_not_found")
         state.pin_tenants.pop(pin_id, None)
         return {"object": "cache.pin.deleted", "id": pin_id, "deleted": True}
@@ -297,10 +293,10 @@ async def _warm_up(state: ServerState) -> None:
         prompts = list(WARMUP_PROMPTS) if state.tokenizer is not None else [{"prompt_token_ids": list(range(1, 9))}]
         if has_chat_template(state.tokenizer):  # a base model has none
             prompts.append({"prompt_token_ids": chat_prompt_ids(state.tokenizer, [{"role": "user", "content": "Hi"}])})
-        streams = [await state.async_engine.submit(p, params, f"warmup-{i}", cache_salt="kvos-warmup")
+        streams = [await state.engine.submit(p, params, f"warmup-{i}", cache_salt="kvos-warmup")
                    for i, p in enumerate(prompts)]
         sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=2, seed=0)  # the top-p kernel compiles here
-        streams.append(await state.async_engine.submit(prompts[0], sampled, "warmup-sampled", cache_salt="kvos-warmup"))
+        streams.append(await state.engine.submit(prompts[0], sampled, "warmup-sampled", cache_salt="kvos-warmup"))
         await asyncio.gather(*(s.result() for s in streams))
         state.ready = True
         log.info("warm-up done in %.1f s; ready", time.perf_counter() - t0)
@@ -362,7 +358,7 @@ def _admit(state: ServerState, model: str | None, num_seqs: int, param: str) -> 
     if num_seqs > state.max_waiting:
         raise APIError(400, f"{param}: this request makes {num_seqs} sequences (prompts × n), more than the "
                        f"server queues at once ({state.max_waiting}, --max-waiting-requests)", param=param)
-    if state.async_engine.num_pending + state.num_tokenizing + num_seqs > state.max_waiting:
+    if state.engine.num_pending + state.num_tokenizing + num_seqs > state.max_waiting:
         state.metrics.rejected.labels("429").inc()
         raise APIError(429, f"too many waiting requests ({state.max_waiting}); retry later",
                        "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
@@ -452,8 +448,8 @@ async def _submit_all(state: ServerState, prompts: list, params: SamplingParams,
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(await state.async_engine.submit(prompt, params, f"{rid}-{i}", priority, salt,
-                                                           retriable=not stream))
+            streams.append(await state.engine.submit(prompt, params, f"{rid}-{i}", priority, salt,
+                                                     retriable=not stream))
     except BaseException:
         for s in streams:
             await s.aclose()

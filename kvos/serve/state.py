@@ -8,8 +8,7 @@ import logging
 import time
 
 import kvos
-from kvos.engine.async_engine import AsyncEngine
-from kvos.engine.llm_engine import LLMEngine
+from kvos.engine.client import EngineClient
 from kvos.serve.errors import APIError
 from kvos.serve.limits import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -24,11 +23,12 @@ log = logging.getLogger("kvos.serve")
 
 
 class ServerState:
-    def __init__(self, engine: LLMEngine, model_name: str, api_keys: list[str], max_waiting: int,
+    """``engine``: any ``EngineClient`` (in-process, process, Ray or data-parallel); the server
+    starts and shuts it down (``create_app``'s lifespan)."""
+
+    def __init__(self, engine: EngineClient, model_name: str, api_keys: list[str], max_waiting: int,
                  shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         self.engine = engine
-        # a data-parallel front end (kvos.distributed) is its own async engine
-        self.async_engine = engine if hasattr(engine, "submit") else AsyncEngine(engine)
         self.model_name = model_name
         self.api_keys = {k: hashlib.sha256(k.encode()).hexdigest()[:32] for k in api_keys}
         self.max_waiting = max_waiting
@@ -47,11 +47,10 @@ class ServerState:
         self.draining = False
         self.created = int(time.time())
         self.pin_tenants: dict[str, str | None] = {}  # pin id -> the API-key tenant that made it
-        self.max_model_len: int = engine.max_model_len
-        config = getattr(engine, "config", None)
-        model_id = getattr(engine, "model_id", None) or getattr(getattr(engine, "kv", None), "model_id", model_name)
-        self.fingerprint = system_fingerprint(kvos.__version__, model_id,
-                                              getattr(config, "dtype", None), getattr(config, "device", None))
+        facts = engine.model_facts
+        self.max_model_len: int = facts.max_model_len
+        self.vocab_size: int = facts.vocab_size
+        self.fingerprint = system_fingerprint(kvos.__version__, facts.model_id, facts.dtype, facts.device)
 
     def require_tokenizer(self, param: str) -> None:
         """400 naming ``param`` when this server has no tokenizer (``--skip-tokenizer-init``, or a
@@ -67,7 +66,7 @@ class ServerState:
 
     def _stats(self) -> dict:
         s = self.engine.stats()
-        s["waiting"] += self.async_engine.num_pending + self.num_tokenizing
+        s["waiting"] += self.engine.num_pending + self.num_tokenizing
         return s
 
     @contextlib.contextmanager
@@ -85,10 +84,10 @@ class ServerState:
         requests in flight get up to ``shutdown_timeout_s`` to finish, then are cut (a stream ends
         with an error event and ``[DONE]``, a plain request gets 503)."""
         self.draining = True
-        await self.async_engine.drain(timeout=self.shutdown_timeout_s)
-        if self.async_engine.num_in_flight:
-            n = await self.async_engine.cut_all(f"the server shut down before this request finished "
-                                                f"(--shutdown-timeout-s {self.shutdown_timeout_s:g})")
+        await self.engine.drain(timeout=self.shutdown_timeout_s)
+        if self.engine.num_in_flight:
+            n = await self.engine.cut_all(f"the server shut down before this request finished "
+                                          f"(--shutdown-timeout-s {self.shutdown_timeout_s:g})")
             log.warning("shutdown deadline (%ss) reached; cut %d requests", self.shutdown_timeout_s, n)
 
     def check_fits(self, text: str, param: str) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from kvos.engine.async_engine import EngineStopped, RequestStream
+from kvos.engine.client import EngineStopped, RequestStream
 from kvos.serve.responses import finish_reason, prompt_text, sse, usage
 from kvos.serve.state import ServerState
 

@@ -20,7 +20,8 @@ import time
 from tqdm.auto import tqdm
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
-from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router, make_router
+from kvos.router.config import RouterConfig
+from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router
 from kvos.sim.cost_model import CostModel
 from kvos.sim.simulator import SIM_MODEL_ID, EngineSim, SimConfig, percentiles
 from kvos.sim.traces import TraceRequest
@@ -34,15 +35,15 @@ def imbalance(xs: list[float]) -> float:
 
 class FleetSimulator:
     """``num_engines`` engines of ``config`` each (pool sizes are per engine) behind ``router``
-    (a ``Router``, or a name from ``kvos.router.ROUTERS`` built with ``overlap_weight``, the
-    balance guard ``balance`` and, for approx, a memory of ``approx_capacity`` blocks per engine:
-    default the engine's pool size).
+    (a ``Router``; a ``RouterConfig``; or a name from ``kvos.router.ROUTERS`` built with
+    ``overlap_weight`` and the balance guard ``balance``); approx remembers ``approx_capacity``
+    blocks per engine (default: the engine's pool size).
 
     Invariant: each accepted request is admitted to exactly one engine, at its arrival time.
     """
 
     def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel, num_engines: int,
-                 router: Router | str = "kv_aware", overlap_weight: float = DEFAULT_KV_WEIGHT,
+                 router: Router | RouterConfig | str = "kv_aware", overlap_weight: float = DEFAULT_KV_WEIGHT,
                  approx_capacity: int | None = None, balance: tuple[int, float] = DEFAULT_BALANCE) -> None:
         if not trace:
             raise ValueError("trace: no requests")
@@ -55,8 +56,10 @@ class FleetSimulator:
         self.cfg = config
         self.engines = [EngineSim(self.trace, config, cost) for _ in range(num_engines)]
         if isinstance(router, str):
+            router = RouterConfig(router, overlap_weight, balance)
+        if isinstance(router, RouterConfig):
             capacity = approx_capacity or config.num_blocks or self.engines[0].kv.pool.num_blocks
-            router = make_router(router, num_engines, config.block_size, overlap_weight, capacity, balance)
+            router = router.build(num_engines, config.block_size, capacity)
         if router.num_engines != num_engines:
             raise ValueError(f"router: built for {router.num_engines} engines, the fleet has {num_engines}")
         if router.block_size != config.block_size:

@@ -4,6 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvos.config.flags import add_engine_args
+
+PLAN_ENGINE_FIELDS = ("block_size", "gpu_memory_utilization", "kv_cache_memory_bytes")
+"""The ``EngineConfig`` fields the plan takes (flags, defaults and help are ``EngineConfig``'s)."""
+
 EXAMPLES = """examples:
   kvos plan --model llama-3-70b --gpu H100-80G --weight-dtype fp16 --context-len 8192 --num-requests 32
   kvos plan --model llama-3.1-8b --gpu H100-80G --kv-dtype fp8 --context-len 32768 --json
@@ -33,12 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-dist", default=None, metavar="LO:HI",
                    help="request lengths uniform in [LO, HI]: paged uses the mean, contiguous the max")
     p.add_argument("--num-requests", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="the KV pool's size, as given to the engine (default: estimated from the GPU)")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_engine_args(p, PLAN_ENGINE_FIELDS, title="engine (the pool the plan sizes)")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -5,32 +5,49 @@ import argparse
 import json
 from pathlib import Path
 
-from kvos.cache.eviction import POLICIES
-from kvos.router.policies import DEFAULT_KV_WEIGHT, ROUTERS, add_router_balance_arg
+from kvos.cache.eviction import EVICTION_POLICIES, online_policies
+from kvos.config.flags import (
+    add_config_args,
+    add_engine_args,
+    config_kwargs,
+    engine_kwargs,
+)
+from kvos.router.config import RouterConfig
+from kvos.sim.options import SimOptions
 from kvos.sim.tier import SimTierConfig
 
+SIM_ENGINE_FIELDS = ("block_size", "kv_layout", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
+                     "max_model_len", "scheduling_policy", "fairness_steps", "preemption_order", "eviction_policy",
+                     "eviction_lookahead")
+"""The ``EngineConfig`` fields that shape a simulated engine (flags, defaults and checks are
+``EngineConfig``'s; the pool's size comes from --cache-blocks/--cache-tokens/--cache-gb)."""
+SIM_TIER_FIELDS = ("write_policy", "tier_lookahead")
+"""The ``EngineConfig`` fields of the simulated CPU tier."""
+
 EXAMPLES = """examples:
-  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks unlimited --json
+  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks unlimited --json \\
+                --max-num-batched-tokens 8192 --max-num-seqs 256
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 2000 --eviction-policy belady
   kvos simulate --synthetic --num-requests 500 --rate 8 --system-prompt-len 1000 --num-system-prompts 4 \\
                 --cache-gb 10 --scheduling-policy lpm
   kvos simulate --synthetic --turns 4 --allocator contiguous --max-model-len 4096
+  kvos simulate --synthetic --model gemma-3-27b --allocator contiguous --kv-layout homogeneous --max-model-len 4096
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --limit 3000 \\
                 --sweep cache-size --sweep-policies lru fifo lfu belady --plot-dir plots/
   kvos simulate --synthetic --input-len 1024:4096 --model gemma-3-27b --kv-layout unified --cache-gb 20
   kvos simulate --synthetic --input-len 1024:4096 --model gemma-3-27b --kv-layout homogeneous --cache-gb 20
-  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 2000 --tier-blocks 8000 \
+  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 2000 --tier-blocks 8000 \\
                 --tier-policy lru --tier-write-policy write_back
-  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 800 --engines 16 \
-                --router kv_aware --kv-weight 1 --time-scale 0.08
+  kvos simulate --trace conversation_trace.jsonl --block-size 512 --cache-blocks 800 --engines 16 \\
+                --router kv_aware --kv-weight 1 --time-scale 0.08 --max-num-batched-tokens 8192 --max-num-seqs 256
 
 With --engines N > 1 the trace is routed across N engines (--router), each with the pool and
 scheduler given here (pool sizes are per engine); the report adds load imbalance and the
 router's predicted against obtained prefix hits.
 
 With a hybrid --model (sliding-window and full-attention layers, e.g. Gemma 3) the KV memory
-system runs the model's cache layout (--kv-layout, default unified): several cache groups in one
-pool of large pages; --cache-blocks then counts large pages, and the report adds the layout,
+system runs the model's cache layout (--kv-layout, default unified; the contiguous allocator needs
+homogeneous): several cache groups in one pool of large pages; --cache-blocks then counts large pages, and the report adds the layout,
 mean KV waste and each group's peak blocks. Other models keep the abstract one-layer spec.
 """
 
@@ -47,7 +64,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--system-prompt-len", type=int, default=0)
     w.add_argument("--num-system-prompts", type=int, default=1)
     w.add_argument("--turns", type=int, default=1, help="turns per multi-turn session")
-    w.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = half the rate)")
     w.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("cost model")
     m.add_argument("--model", default="llama-3.1-8b",
@@ -58,50 +74,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--kv-dtype", default="fp16")
     m.add_argument("--tensor-parallel", type=int, default=1)
     m.add_argument("--calibration", default=None, help="JSON of measured steps to fit the cost model to")
-    c = p.add_argument_group("cache and scheduler")
-    c.add_argument("--block-size", type=int, default=16)
-    c.add_argument("--kv-layout", default=None, choices=["unified", "equal_pages", "homogeneous"],
-                   help="cache layout of a hybrid --model: unified (Jenga: one group per layer kind in pages of "
-                        "the LCM size; default), equal_pages (vLLM: equal-size groups, padded), homogeneous (one "
-                        "group, every layer keeps every token; default with --allocator contiguous)")
+    c = p.add_argument_group("cache size")
     c.add_argument("--cache-blocks", default="unlimited",
                    help="pool size in blocks (with a hybrid --model: in the layout's large pages), or 'unlimited'")
     c.add_argument("--cache-tokens", type=int, default=None, help="pool size in tokens (not for a hybrid --model)")
     c.add_argument("--cache-gb", type=float, default=None,
                    help="pool size in GiB of KV for --model (all its KV heads; --kv-dtype)")
-    c.add_argument("--eviction-policy", default="lru", choices=[*POLICIES, "belady"],
-                   help="belady: the offline optimum (an upper bound; it reads the whole trace)")
-    c.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm", "priority"])
-    c.add_argument("--fairness-steps", type=int, default=64,
-                   help="lpm: a request waiting this many steps goes ahead of later arrivals")
-    c.add_argument("--preemption-order", default="latest", choices=["latest", "least_progress"])
-    c.add_argument("--eviction-lookahead", type=int, default=256,
-                   help="cached prefixes the next N waiting requests will hit are evicted last (0: off)")
-    c.add_argument("--allocator", default="paged", choices=["paged", "contiguous"])
-    c.add_argument("--max-model-len", type=int, default=None, help="contiguous reservation per request")
-    c.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    c.add_argument("--max-num-seqs", type=int, default=256)
-    c.add_argument("--no-prefix-caching", action="store_true")
+    add_engine_args(p, SIM_ENGINE_FIELDS, title="engine (the scheduler and KV cache)",
+                    choices={"eviction_policy": EVICTION_POLICIES})
+    add_config_args(p, SimOptions, title="simulator")
     t = p.add_argument_group("a CPU tier below the device")
     t.add_argument("--tier-blocks", type=int, default=0, help="CPU-tier slots in device blocks (0: no tier)")
     t.add_argument("--tier-gb", type=float, default=None, help="CPU-tier size in GiB of KV for --model")
-    t.add_argument("--tier-policy", default="lru", choices=list(POLICIES), help="the tier's own eviction policy")
-    t.add_argument("--tier-write-policy", default="write_through", choices=["write_through", "write_back"])
-    t.add_argument("--tier-lookahead", type=int, default=1024,
-                   help="waiting requests whose tier blocks are evicted last (the engine's --tier-lookahead; 0: off)")
+    t.add_argument("--tier-policy", default="lru", choices=online_policies(), help="the tier's own eviction policy")
     t.add_argument("--tier-bandwidth-gbs", type=float, default=SimTierConfig.load_bandwidth / 1e9,
                    help="tier-to-device load rate in GB/s (kvos's measured CPU-tier loads on an H100 host)")
+    add_engine_args(p, SIM_TIER_FIELDS, spell={"write_policy": "--tier-write-policy"})
     f = p.add_argument_group("a fleet of engines behind a router")
     f.add_argument("--engines", type=int, default=1, help="simulated engines (1: a single engine, no router)")
-    f.add_argument("--router", default="kv_aware", choices=list(ROUTERS),
-                   help="kv_aware: Dynamo's cost on indexes built from KV events; approx: the same cost on the "
-                        "router's own record of what it sent where")
-    f.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT,
-                   help="kv_aware/approx overlap weight: cost = weight * (queued / 4 + uncached prompt blocks) + "
-                        "active blocks")
-    add_router_balance_arg(f)
     f.add_argument("--approx-blocks", type=int, default=None,
                    help="approx: prompt blocks remembered per engine (default: the engine's pool size)")
+    add_config_args(p, RouterConfig)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
     o.add_argument("--output", default=None, help="also save the JSON report here")
@@ -141,36 +134,37 @@ def load_workload(a: argparse.Namespace):
 
 
 def build(a: argparse.Namespace):
+    """The simulated engine's ``SimConfig`` and cost model from the parsed flags."""
+    import dataclasses
+
+    from kvos.config.engine import EngineConfig
     from kvos.sim.cost_model import CostModel
     from kvos.sim.hardware import KV_DTYPES, kv_bytes_per_token, resolve_gpu
     from kvos.sim.planner import model_layout
     from kvos.sim.shapes import resolve_shape
     from kvos.sim.simulator import SimConfig
 
+    engine = EngineConfig(**engine_kwargs(a, SIM_ENGINE_FIELDS + SIM_TIER_FIELDS))  # checks the engine's fields
+    options = SimOptions(**config_kwargs(a, SimOptions))
     shape = resolve_shape(a.model)
     if a.kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {a.kv_dtype!r}")
-    if a.block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {a.block_size}")
+    bs = engine.block_size
     cost = CostModel.for_model(shape, resolve_gpu(a.gpu), a.weight_dtype, a.kv_dtype, a.tensor_parallel)
     if a.calibration:
         cost.calibrate(a.calibration)
-    layout = None
-    kv_layout = getattr(a, "kv_layout", None)
-    if shape.is_hybrid:
-        kv_layout = kv_layout or ("homogeneous" if a.allocator == "contiguous" else "unified")
-        layout = model_layout(shape, a.kv_dtype, a.block_size, kv_layout)
+    layout = model_layout(shape, a.kv_dtype, bs, engine.kv_layout) if shape.is_hybrid else None
     if a.cache_gb is not None:
         if layout is not None:
             blocks = layout.num_pages_for_memory(int(a.cache_gb * (1 << 30)))
         else:
             per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.kv_dtype)
-            blocks = int(a.cache_gb * (1 << 30) // (per_token * a.block_size))
+            blocks = int(a.cache_gb * (1 << 30) // (per_token * bs))
     elif a.cache_tokens is not None:
         if layout is not None:
             raise ValueError(f"cache_tokens: a hybrid model's pool holds different tokens per layer kind; give "
                              f"--cache-gb or --cache-blocks (large pages of {layout.large_page_bytes:,} B)")
-        blocks = a.cache_tokens // a.block_size
+        blocks = a.cache_tokens // bs
     elif str(a.cache_blocks) == "unlimited":
         blocks = None
     else:
@@ -183,18 +177,11 @@ def build(a: argparse.Namespace):
     tier = None
     tier_blocks = a.tier_blocks
     if a.tier_gb is not None:
-        tier_blocks = int(a.tier_gb * (1 << 30) // (cost.kv_bytes_per_token * a.block_size))
+        tier_blocks = int(a.tier_gb * (1 << 30) // (cost.kv_bytes_per_token * bs))
     if tier_blocks:
-
-        tier = SimTierConfig(tier_blocks, a.tier_policy, a.tier_write_policy, a.tier_bandwidth_gbs * 1e9,
-                             a.tier_lookahead)
-    cfg = SimConfig(block_size=a.block_size, num_blocks=blocks, eviction_policy=a.eviction_policy,
-                    scheduling_policy=a.scheduling_policy, allocator=a.allocator,
-                    max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                    max_model_len=a.max_model_len, time_scale=a.time_scale,
-                    enable_prefix_caching=not a.no_prefix_caching, layout=layout,
-                    preemption_order=a.preemption_order, fairness_steps=a.fairness_steps,
-                    eviction_lookahead=a.eviction_lookahead, tier=tier)
+        tier = SimTierConfig(tier_blocks, a.tier_policy, engine.write_policy, a.tier_bandwidth_gbs * 1e9,
+                             engine.tier_lookahead)
+    cfg = SimConfig(dataclasses.replace(engine, num_blocks=blocks), options, layout, tier)
     return cfg, cost
 
 
@@ -269,8 +256,6 @@ def format_fleet_report(r: dict) -> str:
 
 
 def sweep(a: argparse.Namespace, trace, base_cfg, cost) -> dict:
-    import dataclasses
-
     from kvos.sim.plots import plot_hit_rate_vs_size, plot_ttft_cdf
     from kvos.sim.simulator import Simulator
 
@@ -278,7 +263,7 @@ def sweep(a: argparse.Namespace, trace, base_cfg, cost) -> dict:
     results: dict[str, list[dict]] = {}
     for policy in a.sweep_policies:
         for size in sizes:
-            cfg = dataclasses.replace(base_cfg, num_blocks=size, eviction_policy=policy)
+            cfg = base_cfg.replace(num_blocks=size, eviction_policy=policy)
             r = Simulator(trace, cfg, cost).run(progress=a.progress)
             results.setdefault(policy, []).append(r)
             print(f"{policy:>7} {size:>7} blocks: block hit {r['block_hit_rate']:.2%}, "
@@ -304,8 +289,9 @@ def run(a: argparse.Namespace) -> int:
             raise ValueError("sweep: not available with --engines > 1 (kvos bench routing sweeps fleets)")
         from kvos.sim.fleet import FleetSimulator
 
-        report = FleetSimulator(trace, cfg, cost, a.engines, a.router, a.kv_weight,
-                                a.approx_blocks, a.router_balance).run(progress=a.progress)
+        router = RouterConfig(**config_kwargs(a, RouterConfig))
+        report = FleetSimulator(trace, cfg, cost, a.engines, router,
+                                approx_capacity=a.approx_blocks).run(progress=a.progress)
         report.pop("ttft_s")
         print(json.dumps(report, indent=2) if a.json else format_fleet_report(report))
     elif a.sweep:

@@ -2,26 +2,29 @@
 in place of the model (the SimExecutor)."""
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from tqdm.auto import tqdm
 
-from kvos.cache.eviction import BeladyPolicy, make_policy
+from kvos.cache.eviction import EVICTION_POLICIES, BeladyPolicy, make_policy
 from kvos.cache.full_attention import cdiv
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import CacheLayout
 from kvos.cache.spec import FullAttentionSpec
+from kvos.config.engine import EngineConfig
 from kvos.core.request import Request
 from kvos.core.sampling_params import SamplingParams
 from kvos.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvos.sim.contiguous import ContiguousKVManager
 from kvos.sim.cost_model import CostModel
+from kvos.sim.options import SimOptions
 from kvos.sim.tier import CPU_SOURCE, SimTier, SimTierConfig
 from kvos.sim.traces import MOONCAKE_BLOCK, TraceRequest
 
@@ -29,33 +32,70 @@ SIM_MODEL_ID = "sim"
 SIM_TOKEN = -7  # every simulated output token
 
 
+def _read(part: str, name: str) -> property:
+    return property(lambda self: getattr(getattr(self, part), name), doc=f"``{part}.{name}`` (read-only)")
+
+
 @dataclass
 class SimConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # None: unlimited (every request's blocks fit at once)
-    """Pool size in blocks of the abstract single-layer spec; with ``layout``, in large pages."""
-    eviction_policy: str = "lru"
-    scheduling_policy: str = "fcfs"
-    allocator: str = "paged"  # or "contiguous"
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # contiguous reservation (default: the trace's longest)
-    time_scale: float = 1.0
-    enable_prefix_caching: bool = True
+    """A simulated engine: the ``engine``'s settings (block size, pool size, scheduler, eviction;
+    ``num_blocks`` None: every request's blocks fit at once, in large pages with ``layout``),
+    the simulator's ``options``, a model's cache ``layout`` (``kvos.cache.layout.build_layout``:
+    several groups for a hybrid model; None: the abstract spec of one layer, every token one
+    slot) and a CPU ``tier`` below the device. The engine's ``eviction_policy`` may name an
+    offline policy here (belady). ``of`` builds one from keyword arguments of all four parts."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    options: SimOptions = field(default_factory=SimOptions)
     layout: CacheLayout | None = None
-    """A model's cache layout (``kvos.cache.layout.build_layout``: several groups for a hybrid
-    model); None: the abstract spec of one layer (every token costs one slot)."""
-    preemption_order: str = "latest"  # see SchedulerConfig
-    fairness_steps: int = 64  # see SchedulerConfig
-    eviction_lookahead: int = 256  # see SchedulerConfig
     tier: SimTierConfig | None = None
     """A CPU tier below the device (single cache group, paged allocator only)."""
 
+    block_size = _read("engine", "block_size")
+    num_blocks = _read("engine", "num_blocks")
+    eviction_policy = _read("engine", "eviction_policy")
+    scheduling_policy = _read("engine", "scheduling_policy")
+    eviction_lookahead = _read("engine", "eviction_lookahead")
+    max_num_batched_tokens = _read("engine", "max_num_batched_tokens")
+    max_num_seqs = _read("engine", "max_num_seqs")
+    max_model_len = _read("engine", "max_model_len")
+    enable_prefix_caching = _read("engine", "enable_prefix_caching")
+    allocator = _read("options", "allocator")
+    time_scale = _read("options", "time_scale")
+
+    @staticmethod
+    def _split(kw: dict) -> tuple[dict, dict, dict]:
+        """``kw`` as (``EngineConfig``, ``SimOptions``, own) keyword arguments; an unknown name
+        is a TypeError."""
+        engine_names = {f.name for f in fields(EngineConfig)}
+        option_names = {f.name for f in fields(SimOptions)}
+        unknown = sorted(set(kw) - engine_names - option_names - {"layout", "tier"})
+        if unknown:
+            raise TypeError(f"SimConfig has no setting {unknown[0]!r}")
+        return ({k: v for k, v in kw.items() if k in engine_names},
+                {k: v for k, v in kw.items() if k in option_names},
+                {k: v for k, v in kw.items() if k in ("layout", "tier")})
+
+    @classmethod
+    def of(cls, **kw) -> SimConfig:
+        """A config from keyword arguments of ``EngineConfig``, ``SimOptions`` and ``layout``/
+        ``tier`` (each name goes to the part that has it; the rest are the parts' defaults)."""
+        engine, options, own = cls._split(kw)
+        return cls(EngineConfig(**engine), SimOptions(**options), **own)
+
+    def replace(self, **kw) -> SimConfig:
+        """This config with the settings in ``kw`` changed (names as in ``of``)."""
+        engine, options, own = self._split(kw)
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **engine),
+                                   options=dataclasses.replace(self.options, **options), **own)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The engine's scheduler settings; the offline optimum knows every next use, so it runs
+        without eviction lookahead."""
+        sc = self.engine.scheduler_config()
+        return dataclasses.replace(sc, eviction_lookahead=0) if EVICTION_POLICIES[self.eviction_policy].offline else sc
+
     def __post_init__(self) -> None:
-        if self.allocator not in ("paged", "contiguous"):
-            raise ValueError(f"allocator must be 'paged' or 'contiguous', got {self.allocator!r}")
-        if self.time_scale <= 0:
-            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
         if self.layout is not None and self.layout.block_size != self.block_size:
             raise ValueError(f"block_size {self.block_size} differs from the layout's {self.layout.block_size}")
         if self.layout is not None and self.allocator == "contiguous" and (
@@ -151,23 +191,14 @@ class EngineSim:
             self.kv = KVCacheManager(layout or spec, num_blocks, SIM_MODEL_ID, config.enable_prefix_caching, policy)
             if isinstance(policy, BeladyPolicy):
                 self._build_oracle()
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.scheduling_policy, config.preemption_order,
-                                                   config.fairness_steps,
-                                                   # the optimum knows every next use: no lookahead
-                                                   0 if config.eviction_policy == "belady"
-                                                   else config.eviction_lookahead), self.kv)
+        self.scheduler = Scheduler(config.scheduler_config(), self.kv)
         self.schedule_hook = None  # called with each SchedulerOutput (tests compare with the engine)
         self.tier: SimTier | None = None
         if config.tier is not None:
             self.tier = SimTier(config.tier, bs, cost.kv_bytes_per_token * bs)
             self.scheduler.lower_tier_lookup = self.tier.lookup
             self.tier.demand = self._waiting_hashes
-            pool = self.kv.pool
-            if config.tier.write_policy == "write_through":
-                pool.newly_cached = []
-            else:
-                pool.on_evict = self.tier.store
+            self.kv.pool.add_listener(self.tier)  # write-through or write-back (the single group's pool)
         self.capacity = self.kv.capacity_tokens(config.max_num_batched_tokens)
         self.clock = 0.0
         self.steps = 0
@@ -301,13 +332,8 @@ class EngineSim:
                     self.util_tokens += req.num_computed_tokens
                     self.util_slots += held * cfg.block_size
         finished = sched.update_from_output(out, sampled)
-        if self.tier is not None and kv.pool.newly_cached:  # write-through
-            for block in kv.pool.newly_cached:
-                if block.block_hash is not None:  # (not evicted since)
-                    self.tier.store(block)
-            kv.pool.newly_cached.clear()
         if self.tier is not None:
-            self.tier.end_step()
+            self.tier.after_step()
         for req in finished:
             self.first.setdefault(req.request_id, clock)
             if req.is_finished:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool
 from kvos.cache.eviction import POLICIES, make_policy
+from kvos.cache.listener import CachedBlocks
 from kvos.cache.tiers.hierarchy import WRITE_POLICIES
 
 CPU_SOURCE = "cpu"
@@ -44,6 +45,11 @@ class SimTierConfig:
 class SimTier:
     """Host memory as a second ``BlockPool`` whose slots hold copies of device blocks by hash.
 
+    Wiring: the tier is its own pool's owner (``PoolOwner``: it holds the slots waiting requests
+    will hit before that pool evicts) and a listener of the device pool (``BlockPoolListener``,
+    added by the simulator): write-through stores the blocks a step registered (``after_step``),
+    write-back stores each block the device evicts.
+
     Invariants (those of ``BlockPool``): every slot is unreferenced between calls, so every
     stored block is evictable by the tier's policy; chain order holds, so the tier never drops
     a block before the stored blocks that extend it. Loads are serialized on one host link:
@@ -53,7 +59,8 @@ class SimTier:
     def __init__(self, config: SimTierConfig, block_size: int, block_bytes: float) -> None:
         self.cfg = config
         policy = make_policy(config.policy, capacity=config.num_blocks, block_size=block_size)
-        self.pool = BlockPool(config.num_blocks + 1, policy=policy)  # +1: the null block
+        self.pool = BlockPool(config.num_blocks + 1, policy=policy, owner=self)  # +1: the null block
+        self._computed = CachedBlocks() if config.write_policy == "write_through" else None
         self.block_bytes = block_bytes
         self.link_free_at = 0.0
         self.stored = self.loaded = self.dropped = 0
@@ -62,11 +69,11 @@ class SimTier:
         """The block hashes of the next ``n`` waiting requests, in queue order (set by the
         simulator when ``lookahead`` is on); read at a step's first tier eviction."""
         self._held = False
-        if config.lookahead:
-            self.pool.before_evict = self._protect_demand
 
-    def _protect_demand(self) -> None:
-        if self._held or self.demand is None:
+    # -- PoolOwner of the tier's pool -----------------------------------------------------
+    def before_evict(self, group: int) -> None:
+        """Hold the slots the next ``lookahead`` waiting requests will hit (once a step)."""
+        if self._held or self.demand is None or not self.cfg.lookahead:
             return
         self._held = True
         index = self.pool.index
@@ -81,6 +88,26 @@ class SimTier:
                     run = []
             if run:
                 self.pool.hold(run, rank)
+
+    def reclaim(self, group: int) -> bool:
+        return self.pool.evict_one()
+
+    # -- BlockPoolListener of the device pool ---------------------------------------------
+    def block_cached(self, group: int, block: KVBlock, adopted: bool) -> None:
+        if self._computed is not None:
+            self._computed.block_cached(group, block, adopted)
+
+    def block_evicting(self, group: int, block: KVBlock) -> None:
+        if self._computed is None:  # write-back: the device's evicted block goes to the tier
+            self.store(block)
+
+    def after_step(self) -> None:
+        """Write-through: store the blocks the step registered (still cached); then forget the
+        step's demand."""
+        if self._computed is not None:
+            for _group, block in self._computed.drain():
+                self.store(block)
+        self.end_step()
 
     def end_step(self) -> None:
         """Forget the step's demand: held slots go back to the tier's policy."""

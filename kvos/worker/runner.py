@@ -197,22 +197,30 @@ class ModelRunner:
         """Bytes of one block across its group's layers, scales included (one row of ``read_blocks``)."""
         return self.block_pages().shape[1]
 
-    def block_pages(self) -> torch.Tensor:
-        """The KV tensor as ``uint8 [num_blocks, block_bytes]`` (one row per block, page-major);
-        only with a single cache group."""
-        if len(self.group_pages) != 1:
-            raise ValueError("block reads and writes (tiers, swap) need a single cache group")
-        return self.group_pages[0]
+    def group_block_bytes(self, group: int) -> int:
+        """``block_bytes`` of cache group ``group``'s blocks."""
+        return self.block_pages(group).shape[1]
 
-    def read_blocks(self, block_ids: list[int], digests_out: list[int] | None = None) -> torch.Tensor:
+    def block_pages(self, group: int | None = None) -> torch.Tensor:
+        """Cache group ``group``'s KV tensor as ``uint8 [num_blocks, block_bytes]`` (one row per
+        block, page-major); ``None``: the only group's (a ValueError with several groups)."""
+        if group is None:
+            if len(self.group_pages) != 1:
+                raise ValueError(f"this layout has {len(self.group_pages)} cache groups: pass group= to name one")
+            group = 0
+        return self.group_pages[group]
+
+    def read_blocks(self, block_ids: list[int], digests_out: list[int] | None = None,
+                    group: int | None = None) -> torch.Tensor:
         """The blocks' bytes as rows of a host ``uint8`` tensor ``[n, block_bytes]`` (each row
         a whole page: ``[num_layers, 2, block_size, kv_heads, head_dim]`` values of the cache
         dtype, then a quantized cache's scales), pinned when the pool is on a GPU: one gather
         and one device-to-host copy per ``READ_CHUNK_BYTES``; returns when the copy is complete.
         ``digests_out``, when given, is extended with each row's ``block_digests`` value,
         computed on the device. Only valid while the blocks' content is
-        what their owner says: call before the blocks are handed to someone else."""
-        pages = self.block_pages()
+        what their owner says: call before the blocks are handed to someone else. ``group``: the
+        cache group the ids belong to (``block_pages``)."""
+        pages = self.block_pages(group)
         n, bb = len(block_ids), pages.shape[1]
         idx = to_device(block_ids, torch.long, pages.device)
         if digests_out is not None:
@@ -233,14 +241,14 @@ class ModelRunner:
         pages = self.block_pages()
         return as_words(pages).index_select(0, to_device(block_ids, torch.long, pages.device)).view(torch.uint8)
 
-    def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
+    def write_blocks(self, block_ids: list[int], rows: torch.Tensor, group: int | None = None) -> None:
         """Fill ``block_ids`` from ``rows`` (``uint8 [n, block_bytes]`` as ``read_blocks``
         returns, contiguous, on any device) with one device-side scatter, queued on the current
         stream. Only into blocks their request owns, and only rows read from a pool of the same
         cache spec (the hash root includes the KV dtype, so a tier never offers another's). A
         host ``rows`` is copied to the device first (asynchronously when pinned: torch keeps its
-        memory until the copy is done)."""
-        pages = self.block_pages()
+        memory until the copy is done). ``group``: as for ``read_blocks``."""
+        pages = self.block_pages(group)
         if rows.shape[1:] != pages.shape[1:]:
             raise ValueError(f"block rows of {rows.shape[1]} bytes do not fit pages of {pages.shape[1]}")
         src = rows.to(pages.device, non_blocking=True)

@@ -2,9 +2,9 @@
 JSON hold every policy and size, and the summary names the gap closed."""
 from __future__ import annotations
 
-import pytest
-
 import json
+
+import pytest
 
 from kvos.cli import main
 
@@ -15,7 +15,8 @@ def test_bench_policies_small(tmp_path, capsys):
     out = tmp_path / "policies.json"
     rc = main(["bench", "policies", "--traces", "synthetic", "--limit", "150", "--sizes", "100", "400",
                "--policies", "lru", "arc", "weighted", "--lookaheads", "0", "64", "--tier-ratios", "0", "2",
-               "--tier-policies", "lru", "s3fifo", "--jobs", "1", "--output", str(out), "--plot", str(tmp_path / "p.png")])
+               "--tier-policies", "lru", "s3fifo", "--jobs", "1",
+               "--max-num-seqs", "1", "--max-num-batched-tokens", "8192", "--output", str(out), "--plot", str(tmp_path / "p.png")])
     assert rc == 0
     report = json.loads(out.read_text())
     rows = report["results"]["synthetic"]

@@ -20,7 +20,8 @@ COST = CostModel.for_model(PRESETS["llama-3.1-8b"], GPUS["H100-80G"])
 
 
 def hit_tokens(trace: list[TraceRequest], policy: str, num_blocks: int) -> int:
-    cfg = SimConfig(block_size=512, num_blocks=num_blocks, eviction_policy=policy, max_num_seqs=1)
+    cfg = SimConfig.of(block_size=512, num_blocks=num_blocks, eviction_policy=policy, max_num_seqs=1,
+                       max_num_batched_tokens=8192)
     r = Simulator(trace, cfg, COST).run()
     return round(r["token_hit_rate"] * sum(t.input_len for t in trace))
 

@@ -50,7 +50,7 @@ class KVMachine(RuleBasedStateMachine):
         self.policy = policy
         self.kv = KVCacheManager(FullAttentionSpec(block_size, 1, 1, 1), num_blocks, model_id="m",
                                  policy=make_policy(policy, capacity=num_blocks, block_size=block_size))
-        self.kv.pool.on_evict = self._check_no_unreferenced_child
+        self.kv.add_listener(self)  # block_evicting: no block is evicted before its child
         self.log = self.kv.enable_events("e0")
         self.view = CachedBlockSet()  # a subscriber that sometimes misses a batch
         self.memory: dict[int, dict[int, tuple]] = {}
@@ -161,7 +161,10 @@ class KVMachine(RuleBasedStateMachine):
                 got = self.memory.get(table[pos // self.bs].block_id, {}).get(pos % self.bs)
                 assert got == (seq.cache_salt, seq.all_token_ids[pos]), (seq.request_id, pos)
 
-    def _check_no_unreferenced_child(self, evicted) -> None:
+    def block_cached(self, group: int, block, adopted: bool) -> None:
+        pass
+
+    def block_evicting(self, group: int, evicted) -> None:
         """A block is never evicted while a cached block that extends it could still be hit."""
         for b in self.kv.pool.blocks:
             if b.block_hash is not None and b.parent_hash == evicted.block_hash and b is not evicted:

@@ -10,7 +10,7 @@ import pytest
 
 from kvos.cli import build_parser
 from kvos.config import EngineConfig
-from kvos.config.flags import engine_flags, engine_kwargs
+from kvos.config.flags import engine_kwargs, field_choices, field_flags
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -65,7 +65,7 @@ def test_no_engine_flags_give_the_dataclass_defaults(command):
 
 def other_value(f: dataclasses.Field) -> tuple[list[str], object]:
     """Flags that set ``f`` to a value other than its default, and that value."""
-    flag, default, choices = engine_flags(f)[0], f.default, f.metadata.get("choices")
+    flag, default, choices = field_flags(f)[0], f.default, field_choices(f)
     if choices:
         value = next(c for c in choices if c != default)
         return [flag, value], value

@@ -208,11 +208,16 @@ def test_slot_arena_lru_reuse_capacity_and_lazy_growth():
         SlotArena(100, capacity_bytes=64)
 
 
-def test_cpu_tier_slots_evict_in_lru_order_and_skip_other_sizes():
+def test_cpu_tier_slots_evict_in_lru_order_and_skip_larger_payloads():
     cpu = CPUTier(3 * 1088)  # three slots: 64 bytes of alignment and header + 1000, rounded to 64
     keys = [bytes([i]) * 16 for i in range(5)]
     evicted = []
-    cpu.on_evict = lambda key, frame: evicted.append((key, bytes(decode(key, frame))))
+
+    class Evictions:
+        def frame_evicted(self, tier, key, frame) -> None:
+            evicted.append((key, bytes(decode(key, frame))))
+
+    cpu.add_eviction_listener(Evictions())
     for i in range(3):
         assert cpu.put(keys[i], bytes([i]) * 1000)
     assert cpu.get(keys[0]) is not None  # keys[1] is now the least recently used
@@ -220,12 +225,28 @@ def test_cpu_tier_slots_evict_in_lru_order_and_skip_other_sizes():
     assert evicted == [(keys[1], b"\x01" * 1000)] and not cpu.contains(keys[1])  # seen before reuse
     assert bytes(cpu.get(keys[3])) == b"\x03" * 1000 and bytes(cpu.get(keys[0])) == b"\x00" * 1000
     assert cpu.arena.reserved_bytes == 3 * 1088 and cpu.used_bytes() == 3 * 1088
-    assert not cpu.put(keys[4], b"x" * 999) and cpu.stats.skipped_writes == 1  # slot size is fixed
+    assert not cpu.put(keys[4], b"x" * 1001) and cpu.stats.skipped_writes == 1  # slot size is fixed
     cpu.corrupt(keys[3])
     assert cpu.get(keys[3]) is None and cpu.stats.checksum_failures == 1 and cpu.used_bytes() == 2 * 1088
     assert cpu.put(keys[4], b"\x04" * 1000) and len(cpu.arena.chunks) == 1  # the freed slot, no growth
     tiny = CPUTier(1000)
     assert not tiny.put(keys[0], b"x" * 1000) and tiny.stats.skipped_writes == 1
+
+
+def test_cpu_tier_slots_hold_smaller_payloads_of_other_cache_groups():
+    """Slots are sized for the largest group's block; a smaller one is framed at its own length."""
+    cpu = CPUTier(3 * 1088)
+    cpu.size_slots(1000)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    assert cpu.put(keys[0], b"\x01" * 10) and cpu.put(keys[1], b"\x02" * 1000)
+    assert bytes(cpu.get(keys[0])) == b"\x01" * 10 and bytes(cpu.get(keys[1])) == b"\x02" * 1000
+    slot, payload = cpu.reserve(keys[2], 300)
+    assert len(payload) == 300
+    payload[:] = b"\x03" * 300
+    cpu.commit(keys[2], slot)
+    assert bytes(cpu.get(keys[2])) == b"\x03" * 300 and cpu.stats.checksum_failures == 0
+    cpu.corrupt(keys[0])
+    assert cpu.get(keys[0]) is None and cpu.stats.checksum_failures == 1
 
 
 def kv_runner(num_blocks: int = 10):
@@ -351,7 +372,7 @@ def test_cpu_tier_preallocates_every_slot_once_sized():
     for i in range(arena.capacity_slots + 2):
         assert tier.put(bytes([i]) * 16, bytes(1000))
     assert arena.reserved_bytes == reserved and tier.stats.evictions == 2
-    assert not tier.put(b"x" * 16, bytes(999)) and tier.stats.skipped_writes == 1
+    assert not tier.put(b"x" * 16, bytes(1001)) and tier.stats.skipped_writes == 1  # larger than a slot
     assert CPUTier(100).preallocate(1000) == 0  # not one slot fits
 
 

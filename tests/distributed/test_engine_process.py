@@ -40,6 +40,8 @@ def test_outputs_equal_the_in_process_engine(server, llm):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                           temperature=0, seed=3)
     assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
+    ids = llm.get_tokenizer().encode("Hello world")
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json() == {"prompt": "Hello world"}
 
 
 def test_pins_go_through_to_the_engine_process(server):

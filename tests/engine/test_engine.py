@@ -230,3 +230,12 @@ def test_a_request_outgrowing_the_whole_pool_ends_with_length(make_llm):
     assert llm.stats()["used"] == 0
     again = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert len(again.outputs[0].token_ids) == 4
+
+
+def test_an_offline_eviction_policy_is_refused_before_the_model_loads():
+    """``belady`` needs the simulator's oracle: an engine refuses it, naming the field."""
+    from kvos.config import EngineConfig
+    from kvos.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="eviction_policy 'belady'"):
+        LLMEngine(EngineConfig(eviction_policy="belady"))

@@ -113,7 +113,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput, before: dict[str, tuple[R
             assert s.start == computed, (rid, s.start, computed)
         else:  # just admitted: it starts after a prefix hit of whole cached blocks of its own tokens
             assert status == RequestStatus.WAITING and computed == 0, (rid, status, computed)
-            if cfg.policy == "lpm":  # fairness: no earlier arrival still waits past its bound
+            if cfg.scheduling_policy == "lpm":  # fairness: no earlier arrival still waits past its bound
                 for _, w in sched._waiting:
                     if (w.arrival, w.sample_index) < (req.arrival, req.sample_index):
                         assert sched.num_steps - w.queued_at_step < cfg.fairness_steps, (w.request_id, rid)

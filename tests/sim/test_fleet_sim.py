@@ -30,6 +30,15 @@ from tests.sim.test_simulator import full_block_hit_rate  # independent of kvos
 
 DATA = Path(__file__).parents[1] / "data"
 COST = CostModel.for_model(PRESETS["llama-3.1-8b"], GPUS["H100-80G"])
+
+
+TRACE_ENGINE = {"max_num_batched_tokens": 8192, "max_num_seqs": 256}
+"""The engine settings these tests' figures were computed with (the simulator's defaults are
+EngineConfig's)."""
+
+
+def sim_config(**kw) -> SimConfig:
+    return SimConfig.of(**{**TRACE_ENGINE, **kw})
 IDLE = EngineLoad()
 
 
@@ -136,7 +145,7 @@ def test_balance_guard_spreads_hot_prefixes_that_first_landed_three_to_one():
     copy on the other, for one prefill each."""
     firsts = [TraceRequest(t, 416, 64, segments=[(i, 384), (1000 + i, 32)]) for i, t in enumerate([0, 1.0, 1.2, 1.25])]
     rest = [TraceRequest(2.5 + 0.02 * k, 416, 64, segments=[(k % 4, 384), (2000 + k, 32)]) for k in range(400)]
-    cfg = SimConfig(block_size=16, num_blocks=None)
+    cfg = sim_config(block_size=16, num_blocks=None)
     off = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware", balance=(8, 0.0)).run()
     on = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware").run()
     assert off["requests_per_engine"] == [303, 101]  # the case the guard is for
@@ -184,7 +193,7 @@ def test_approx_remembers_what_it_sent_and_forgets_the_oldest():
 
 
 def test_make_router():
-    assert ROUTERS == ("round_robin", "least_loaded", "kv_aware", "approx")
+    assert tuple(ROUTERS) == ("round_robin", "least_loaded", "kv_aware", "approx")
     for name in ROUTERS:
         assert make_router(name, 2).name == name
     assert make_router("kv_aware", 2, overlap_weight=3.0).overlap_weight == 3.0
@@ -195,7 +204,7 @@ def test_make_router():
 
 def test_kv_aware_index_from_events_equals_each_engines_prefix_index(conversation):
     trace = conversation[:200]
-    fleet = FleetSimulator(trace, SimConfig(block_size=512, num_blocks=200), COST, 3, "kv_aware")
+    fleet = FleetSimulator(trace, sim_config(block_size=512, num_blocks=200), COST, 3, "kv_aware")
     fleet.run()
     assert any(eng.kv.counters.evictions for eng in fleet.engines)
     for e, eng in enumerate(fleet.engines):
@@ -206,7 +215,7 @@ def test_event_built_index_routes_a_follow_up_to_the_engine_that_served_the_firs
     first = TraceRequest(0.0, 64, 2, segments=[(1, 64)])
     follow = TraceRequest(10.0, 96, 2, segments=[(1, 64), (2, 32)])
     trace = [first, TraceRequest(0.0, 64, 2, segments=[(3, 64)]), follow]
-    cfg = SimConfig(block_size=16, num_blocks=64)
+    cfg = sim_config(block_size=16, num_blocks=64)
     for router in ("kv_aware", "approx"):
         fleet = FleetSimulator(trace, cfg, COST, 2, router)
         fleet.run()
@@ -218,7 +227,7 @@ def test_event_built_index_routes_a_follow_up_to_the_engine_that_served_the_firs
 # -- the fleet simulator -----------------------------------------------------------------
 def test_one_engine_fleet_replays_exactly_like_the_simulator(conversation):
     trace = conversation[:250]
-    cfg = SimConfig(block_size=512, num_blocks=300, max_num_seqs=32)
+    cfg = sim_config(block_size=512, num_blocks=300, max_num_seqs=32)
     single = Simulator(trace, cfg, COST).run()
     assert single["evictions"] > 0 and single["preemptions"] > 0
     for router in ("kv_aware", "round_robin"):
@@ -230,7 +239,7 @@ def test_one_engine_fleet_replays_exactly_like_the_simulator(conversation):
 
 @pytest.fixture(scope="module")
 def four_engines(conversation):
-    cfg = SimConfig(block_size=512, num_blocks=1000)
+    cfg = sim_config(block_size=512, num_blocks=1000)
     return {name: FleetSimulator(conversation, cfg, COST, 4, name).run() for name in ROUTERS}
 
 
@@ -258,7 +267,7 @@ def test_every_request_is_served_exactly_once(conversation, four_engines):
 
 def test_engines_never_share_a_request():
     trace = [TraceRequest(0.01 * i, 40, 3, segments=[(i % 5, 40)]) for i in range(60)]
-    fleet = FleetSimulator(trace, SimConfig(block_size=16, num_blocks=40), COST, 3, "least_loaded")
+    fleet = FleetSimulator(trace, sim_config(block_size=16, num_blocks=40), COST, 3, "least_loaded")
     r = fleet.run()
     ids = [set(eng.index_of) for eng in fleet.engines]
     assert sum(len(s) for s in ids) == len(trace) and set().union(*ids) == {str(i) for i in range(len(trace))}
@@ -268,15 +277,15 @@ def test_engines_never_share_a_request():
 def test_fleet_refuses_belady_and_mismatched_routers():
     trace = [TraceRequest(0.0, 32, 2)]
     with pytest.raises(ValueError, match="belady"):
-        FleetSimulator(trace, SimConfig(eviction_policy="belady"), COST, 2)
+        FleetSimulator(trace, sim_config(eviction_policy="belady"), COST, 2)
     with pytest.raises(ValueError, match="built for 3 engines"):
-        FleetSimulator(trace, SimConfig(), COST, 2, KVAware(3))
+        FleetSimulator(trace, sim_config(), COST, 2, KVAware(3))
     with pytest.raises(ValueError, match="block_size"):
-        FleetSimulator(trace, SimConfig(block_size=16), COST, 2, KVAware(2, block_size=32))
+        FleetSimulator(trace, sim_config(block_size=16), COST, 2, KVAware(2, block_size=32))
 
 
 def test_engine_sim_admits_at_arrival_when_idle():
-    eng = EngineSim([TraceRequest(5.0, 32, 2)], SimConfig(), COST)
+    eng = EngineSim([TraceRequest(5.0, 32, 2)], sim_config(), COST)
     eng.admit(0, at=5.0)
     assert eng.clock == 5.0 and eng.busy()
     while eng.busy():
@@ -293,7 +302,8 @@ def kvos(*args: str) -> str:
 
 def test_cli_simulate_two_engines():
     args = ["simulate", "--trace", str(DATA / "mooncake_conversation.jsonl.gz"), "--limit", "120",
-            "--block-size", "512", "--cache-blocks", "400", "--engines", "2", "--router", "kv_aware"]
+            "--block-size", "512", "--cache-blocks", "400", "--engines", "2", "--router", "kv_aware",
+            "--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
     out = json.loads(kvos(*args, "--json", "--kv-weight", "2", "--router-balance", "5,2"))
     assert out["num_engines"] == 2 and out["router"] == "kv_aware" and out["overlap_weight"] == 2.0
     assert out["balance"] == [5, 2.0]

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvos import SamplingParams
+from kvos.config import EngineConfig
 from kvos.sim.cost_model import CostModel
 from kvos.sim.hardware import GPUS
 from kvos.sim.shapes import PRESETS
@@ -25,8 +26,20 @@ DATA = Path(__file__).parents[1] / "data"
 COST = CostModel.for_model(PRESETS["llama-3.1-8b"], GPUS["H100-80G"])
 
 
+TRACE_ENGINE = {"max_num_batched_tokens": 8192, "max_num_seqs": 256}
+"""The engine settings these tests' figures were computed with (the simulator's defaults are
+EngineConfig's)."""
+
+
+TRACE_FLAGS = ("--max-num-batched-tokens", "8192", "--max-num-seqs", "256")
+
+
+def sim_config(**kw) -> SimConfig:
+    return SimConfig.of(**{**TRACE_ENGINE, **kw})
+
+
 def simulate(trace, **kw) -> dict:
-    return Simulator(trace, SimConfig(**kw), COST).run()
+    return Simulator(trace, sim_config(**kw), COST).run()
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +138,7 @@ def test_simulator_and_engine_make_the_same_decisions(make_llm, tokenizer):
             if o.finished:
                 cached[o.request_id] = o.num_cached_tokens
     trace = [TraceRequest(0.0, len(p), n) for p, n in zip(prompts, outs)]
-    sim = Simulator(trace, SimConfig(block_size=16, num_blocks=30, max_num_batched_tokens=64, max_num_seqs=4),
+    sim = Simulator(trace, sim_config(block_size=16, num_blocks=30, max_num_batched_tokens=64, max_num_seqs=4),
                     COST)
     # the simulator's synthetic prompts would hash differently: give it the real token ids
     for tr, p in zip(sim.trace, prompts):
@@ -146,13 +159,13 @@ def test_cli_json_and_sweep_plot(tmp_path):
         return r.stdout
 
     out = json.loads(kvos("simulate", "--trace", str(DATA / "mooncake_synthetic.jsonl.gz"), "--limit", "300",
-                          "--block-size", "512", "--cache-blocks", "unlimited", "--json"))
+                          "--block-size", "512", "--cache-blocks", "unlimited", "--json", *TRACE_FLAGS))
     for key in ("block_hit_rate", "token_hit_rate", "num_requests", "ttft_p50_s", "throughput_tok_s", "kv_utilization"):
         assert key in out
     assert out["num_requests"] == 300
     kvos("simulate", "--trace", str(DATA / "mooncake_conversation.jsonl.gz"), "--limit", "400",
          "--block-size", "512", "--sweep", "cache-size", "--sweep-sizes", "64", "256", "--sweep-policies", "lru",
-         "belady", "--plot-dir", str(tmp_path))
+         "belady", "--plot-dir", str(tmp_path), *TRACE_FLAGS)
     for png in ("hit_rate_vs_cache_size.png", "ttft_cdf.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     assert "examples:" in kvos("simulate", "--help") and "examples:" in kvos("plan", "--help")
@@ -163,8 +176,11 @@ def test_bad_simulate_input():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "cache_blocks" in r.stderr
     with pytest.raises(ValueError, match="allocator"):
-        SimConfig(allocator="buddy")
-    assert dataclasses.replace(SimConfig(), block_size=32).block_size == 32
+        SimConfig.of(allocator="buddy")
+    with pytest.raises(TypeError, match="no setting"):
+        SimConfig.of(num_gpus=2)
+    assert SimConfig().replace(block_size=32).block_size == 32
+    assert SimConfig().max_num_seqs == EngineConfig().max_num_seqs  # one default: the engine's
 
 
 def test_cost_model_calibration_recovers_measured_scales(tmp_path):
@@ -223,7 +239,7 @@ def kvos_main(capsys, *args: str) -> tuple[int, str, str]:
 
 
 HYBRID = ("simulate", "--synthetic", "--model", "gemma-3-270m", "--gpu", "L4", "--cache-gb", "0.25",
-          "--max-num-batched-tokens", "1024", "--json")
+          "--max-num-batched-tokens", "1024", "--max-num-seqs", "256", "--json")
 
 
 def test_hybrid_unified_layout_admits_more_than_homogeneous(capsys):
@@ -282,7 +298,8 @@ def test_hybrid_unified_hit_rate_under_pressure_with_shared_prompts(capsys):
 
 def test_hybrid_mooncake_trace_and_text_report(capsys):
     rc, out, err = kvos_main(capsys, "simulate", "--trace", str(DATA / "mooncake_conversation.jsonl.gz"),
-                             "--limit", "100", "--block-size", "512", "--model", "gemma-3-270m", "--cache-gb", "1")
+                             "--limit", "100", "--block-size", "512", "--model", "gemma-3-270m", "--cache-gb", "1",
+                             *TRACE_FLAGS)
     assert rc == 0, err
     assert "unified: full x 3 layers, 5/page; sliding 512 x 15 layers, 1/page" in out
     assert "mean waste" in out and "group peak blocks" in out and "concurrency" in out
@@ -294,9 +311,10 @@ def test_hybrid_simulate_errors(capsys):
     assert rc == 2 and "belady" in err and "single cache group" in err
     rc, _, err = kvos_main(capsys, *base, "--cache-tokens", "10000")
     assert rc == 2 and "cache_tokens" in err
-    rc, _, err = kvos_main(capsys, *base, "--allocator", "contiguous", "--kv-layout", "unified")
+    rc, _, err = kvos_main(capsys, *base, "--allocator", "contiguous")  # the engine's default layout: unified
     assert rc == 2 and "homogeneous" in err
-    rc, out, err = kvos_main(capsys, *base, "--allocator", "contiguous", "--max-model-len", "2048", "--json")
+    rc, out, err = kvos_main(capsys, *base, "--allocator", "contiguous", "--kv-layout", "homogeneous",
+                             "--max-model-len", "2048", "--json")
     assert rc == 0 and json.loads(out)["kv_layout"] == "homogeneous", err
     # Belady still runs on a single group: the homogeneous layout of the same model
     rc, out, err = kvos_main(capsys, *base, "--kv-layout", "homogeneous", "--eviction-policy", "belady",

@@ -4,8 +4,8 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from kvos.cache.block import BlockHash
 from kvos.cache.tiers.codec import PLAIN, Codec
@@ -27,6 +27,14 @@ class TierStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+class EvictedFrameListener(Protocol):
+    """Hears a tier's evictions (write-back's demotion to the next tier, ``TierHierarchy``)."""
+
+    def frame_evicted(self, tier: Tier, key: BlockHash, frame: bytes | memoryview) -> None:
+        """``key``'s frame left ``tier`` (decode it with ``tier.codec`` and ``key``); the frame is
+        valid only during the call."""
 
 
 class Tier(ABC):
@@ -55,9 +63,12 @@ class Tier(ABC):
         """Frames payloads bound to their key; the disk and Redis tiers may use a sealed one."""
         self.stats = TierStats()
         self.lock = threading.RLock()
-        self.on_evict: Callable[[BlockHash, bytes | memoryview], None] | None = None
-        """Called with an evicted key and its frame (decode it with ``self.codec`` and that key),
-        which is valid only during the call (write-back to the next tier)."""
+        self.eviction_listeners: list[EvictedFrameListener] = []
+        """Told of every evicted key and its frame (``add_eviction_listener``)."""
+
+    def add_eviction_listener(self, listener: EvictedFrameListener) -> None:
+        """Tell ``listener`` of every eviction from now on (the hierarchy, built after its tiers)."""
+        self.eviction_listeners.append(listener)
 
     @abstractmethod
     def contains(self, key: BlockHash) -> bool: ...

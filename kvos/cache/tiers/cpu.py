@@ -32,8 +32,10 @@ class CPUTier(Tier):
     to the host) and loads check on the device after their copy (``get_for_load``), so neither
     hashes the payload on a host thread.
 
-    The slot size is fixed by the first block stored (an engine's blocks all have one size); a
-    payload of another size is not stored and counts in ``stats.skipped_writes``.
+    The slot size is fixed by the first block stored or by ``preallocate`` (the engine sizes
+    slots for its largest cache group's block); a payload of at most that size is stored in a
+    slot with a frame of its own length (a smaller group's block leaves the slot's tail
+    unused), a larger one is not stored and counts in ``stats.skipped_writes``.
 
     Safety rule: ``get`` returns a view of slot memory, valid only until the next ``put`` into
     this tier (a put may evict that slot and rewrite it; a get never writes a slot, so gets may
@@ -55,6 +57,7 @@ class CPUTier(Tier):
         self.chunk_bytes = chunk_bytes
         self.arena: SlotArena | None = None  # made by the first put that fits
         self._demand: Demand = {}
+        self._reserved: dict[int, int] = {}  # reserved slot -> payload bytes its commit frames
         self.preallocated = threading.Event()
         """Set once ``preallocate`` has allocated every slot (never set without it)."""
 
@@ -70,9 +73,14 @@ class CPUTier(Tier):
         arena = self.arena
         return None if arena is None else arena.capacity_slots - len(arena)
 
-    def _frame(self, slot: int) -> memoryview:
+    def _frame(self, slot: int, payload_bytes: int | None = None) -> memoryview:
+        """The frame in ``slot``: for ``payload_bytes`` (a frame being written), else the length
+        its header records (clamped to the slot)."""
         assert self.arena is not None
-        return self.arena.view(slot)[self._LEAD:]
+        whole = self.arena.view(slot)[self._LEAD:]
+        if payload_bytes is None:
+            payload_bytes = int.from_bytes(whole[HEADER_SIZE - 8: HEADER_SIZE], "little")
+        return whole[: HEADER_SIZE + min(payload_bytes, len(whole) - HEADER_SIZE)]
 
     def payload_stride(self) -> int:
         """Bytes from one slot's payload to the next slot's in the same chunk (0 until the first
@@ -123,7 +131,7 @@ class CPUTier(Tier):
             except ValueError:  # not even one slot of this size fits the capacity
                 return False
             self.arena.set_demand(self._demand)
-        return size == self.arena.slot_bytes
+        return size <= self.arena.slot_bytes
 
     def _take_slot(self, size: int, evict_wanted: bool = True) -> int | None:
         """A slot of ``size`` bytes taken off the free list or from the block evicted (None,
@@ -143,9 +151,16 @@ class CPUTier(Tier):
                 return None
             old_key, slot = got
             self.stats.evictions += 1
-            if self.on_evict is not None:  # before the slot is rewritten
-                self.on_evict(old_key, self._frame(slot))
+            for listener in self.eviction_listeners:  # before the slot is rewritten
+                listener.frame_evicted(self, old_key, self._frame(slot))
         return slot
+
+    def size_slots(self, payload_bytes: int) -> None:
+        """Size the slots for payloads of up to ``payload_bytes`` (the engine's largest cache
+        group's block) before the first store, allocating them as the tier fills; a no-op if
+        sized already."""
+        with self.lock:
+            self._sized(self._LEAD + HEADER_SIZE + payload_bytes)
 
     def preallocate(self, payload_bytes: int, background: bool = False) -> int:
         """Size the slots for payloads of ``payload_bytes`` and allocate all of them up front (the
@@ -193,10 +208,11 @@ class CPUTier(Tier):
             slot = self._take_slot(self._LEAD + HEADER_SIZE + len(data))
             if slot is None:
                 return False
+            frame = self._frame(slot, len(data))
             if self.digests:
-                self.codec.encode_into(self._frame(slot), key, data, digest)
+                self.codec.encode_into(frame, key, data, digest)
             else:
-                self.codec.encode_into(self._frame(slot), key, data)
+                self.codec.encode_into(frame, key, data)
             self.arena.bind(key, slot)
         return True
 
@@ -211,7 +227,7 @@ class CPUTier(Tier):
             if self.arena is not None and key in self.arena:
                 return None
             size = self._LEAD + HEADER_SIZE + nbytes
-            if self.arena is not None and size == self.arena.slot_bytes and not evict_wanted:
+            if self.arena is not None and size <= self.arena.slot_bytes and not evict_wanted:
                 if not self.arena.has_free() and not len(self.arena):
                     return False  # every slot is reserved: the round's blocks go first
                 slot = self._take_slot(size, evict_wanted=False)
@@ -219,12 +235,17 @@ class CPUTier(Tier):
                     return False
             else:
                 slot = self._take_slot(size)
-            return None if slot is None else (slot, self._frame(slot)[HEADER_SIZE:])
+            if slot is None:
+                return None
+            self._reserved[slot] = nbytes
+            return slot, self._frame(slot, nbytes)[HEADER_SIZE:]
 
     def commit(self, key: BlockHash, slot: int, digest: int | None = None) -> None:
         """Frame the payload written into a reserved slot and bind it to ``key`` (``digest``:
         its ``block_digests`` value, for digest frames)."""
-        frame = self._frame(slot)
+        with self.lock:
+            nbytes = self._reserved.pop(slot)
+        frame = self._frame(slot, nbytes)
         if self.digests:
             self.codec.write_header(frame, key, digest)
         else:
@@ -237,6 +258,7 @@ class CPUTier(Tier):
     def release(self, slot: int) -> None:
         """Give back a reserved slot without storing anything."""
         with self.lock:
+            self._reserved.pop(slot, None)
             self.arena.free(slot)
 
     def _drop(self, key: BlockHash) -> None:

@@ -24,11 +24,16 @@ class TierHierarchy:
         self.tiers = tiers
         self.write_policy = write_policy
         if write_policy == "write_back":
-            for upper, lower in zip(tiers, tiers[1:]):
-                upper.on_evict = lambda key, blob, upper=upper, lower=lower: self._demote(upper, lower, key, blob)
+            for upper in tiers[:-1]:
+                upper.add_eviction_listener(self)
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
+
+    def frame_evicted(self, tier: Tier, key: BlockHash, frame: bytes | memoryview) -> None:
+        """Write-back: demote a frame evicted from ``tier`` to the next tier
+        (``EvictedFrameListener``)."""
+        self._demote(tier, self.tiers[self.tiers.index(tier) + 1], key, frame)
 
     @staticmethod
     def _demote(upper: Tier, lower: Tier, key: BlockHash, blob: bytes | memoryview) -> None:
@@ -53,6 +58,20 @@ class TierHierarchy:
             for i, there in zip(ask, tier.contains_many([hashes[i] for i in ask])):
                 held[i] = held[i] or there
         return held.index(False) if False in held else len(held)
+
+    def held(self, keys: list[BlockHash]) -> list[bool]:
+        """Per key, whether some tier holds it: one ``contains_many`` batch per tier, fastest
+        first, each asked only about the keys no faster tier holds. For a caller whose rule is
+        not "leading keys" (sliding-window groups need only a window's blocks). Blocks like
+        ``lookup``: tier I/O thread only."""
+        out = [False] * len(keys)
+        for tier in self.tiers:
+            ask = [i for i, there in enumerate(out) if not there]
+            if not ask:
+                break
+            for i, there in zip(ask, tier.contains_many([keys[i] for i in ask])):
+                out[i] = there
+        return out
 
     def find(self, key: BlockHash) -> tuple[bytes | memoryview, int, int | None] | None:
         """The payload of ``key``, the index of the fastest tier holding it and the digest the

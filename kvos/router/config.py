@@ -1,0 +1,68 @@
+"""``RouterConfig``: a fleet's router settings, the one source of the ``--router``,
+``--kv-weight`` and ``--router-balance`` flags (``kvos.config.flags.add_config_args``)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from kvos.router.policies import (
+    DEFAULT_BALANCE,
+    DEFAULT_BALANCE_ABS,
+    DEFAULT_BALANCE_REL,
+    DEFAULT_KV_WEIGHT,
+    ROUTERS,
+    Router,
+    balance_error,
+    make_router,
+)
+
+
+def parse_balance(text: str) -> tuple[int, float]:
+    """``ABS,REL`` (or ``ABS REL``) as the balance guard's ``(int, float)``; an argparse type."""
+    parts = text.replace(",", " ").split()
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"give ABS,REL (e.g. 8,2), got {text!r}")
+    try:
+        abs_, rel = int(parts[0]), float(parts[1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give ABS,REL as an integer and a number, got {text!r}") from None
+    if (err := balance_error(abs_, rel)) is not None:
+        raise argparse.ArgumentTypeError(err)
+    return abs_, rel
+
+
+ROUTER_FLAGS = "router (several engines)"  # the CLI's argument group for these fields
+
+
+@dataclass
+class RouterConfig:
+    """Which router spreads requests over a fleet's engines, and its settings. ``kv_weight`` and
+    ``router_balance`` apply to kv_aware and approx (``kvos.router.policies.KVAware``)."""
+
+    router: str = field(default="kv_aware", metadata={
+        "choices": ROUTERS, "group": ROUTER_FLAGS,
+        "help": "kv_aware: the engine already holding most of the prompt's prefix (from its KV events), weighed "
+                "against its load; approx: the same from the router's own record, no events"})
+    kv_weight: float = field(default=DEFAULT_KV_WEIGHT, metadata={
+        "group": ROUTER_FLAGS,
+        "help": "kv_aware/approx: weight of the prefill an engine would do (prompt blocks it lacks plus a quarter "
+                "of its queued prefill) against its active decode blocks"})
+    router_balance: tuple[int, float] = field(default=DEFAULT_BALANCE, metadata={
+        "type": parse_balance, "metavar": "ABS,REL", "group": ROUTER_FLAGS,
+        "help": "kv_aware/approx balance guard: an engine with more than ABS requests over the least loaded one "
+                f"and over REL times its count is not chosen (default {DEFAULT_BALANCE_ABS},"
+                f"{DEFAULT_BALANCE_REL:g}; REL 0: off)"})
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if self.kv_weight < 0:
+            raise ValueError(f"kv_weight must be >= 0, got {self.kv_weight}")
+        if (err := balance_error(*self.router_balance)) is not None:
+            raise ValueError(f"router_balance: {err}")
+
+    def build(self, num_engines: int, block_size: int = 16, capacity_blocks: int = 2000) -> Router:
+        """The router for ``num_engines`` engines of ``block_size``-token blocks; approx remembers
+        ``capacity_blocks`` blocks per engine."""
+        return make_router(self.router, num_engines, block_size, self.kv_weight, capacity_blocks,
+                           self.router_balance)
