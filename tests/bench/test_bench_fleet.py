@@ -1,6 +1,6 @@
 """The fleet bench: its workload parts that need no engine (open-loop arrival times, the
 one-unbounded-cache bound its hit rates are held against), and one small run of two real engine
-processes on the CPU (the full runs are in benchmarks/README.md)."""
+processes on the CPU (the full runs are in benchmarks/routing.md)."""
 from __future__ import annotations
 
 import statistics
