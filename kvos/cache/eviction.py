@@ -14,9 +14,9 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
+from kvos.core.registry import Registry
 
 
 class EvictionPolicy(ABC):
@@ -58,19 +58,10 @@ class EvictionPolicy(ABC):
         return any(b is block for b in self)
 
 
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {}
+EVICTION_POLICIES: Registry[type[EvictionPolicy]] = Registry("eviction policy")
 """Eviction policies by name, filled by ``register_eviction_policy``: the engine's and the
 simulator's choices (the engine's are the online ones, ``online_policies``)."""
-
-_P = TypeVar("_P", bound=type[EvictionPolicy])
-
-
-def register_eviction_policy(cls: _P) -> _P:
-    """Class decorator: make ``cls`` selectable by its ``name`` (``eviction_policy``)."""
-    if cls.name in EVICTION_POLICIES:
-        raise ValueError(f"eviction policy {cls.name!r} is already registered")
-    EVICTION_POLICIES[cls.name] = cls
-    return cls
+register_eviction_policy = EVICTION_POLICIES.register
 
 
 def online_policies() -> tuple[str, ...]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import TypeVar
 
 from kvos.core.kv_events import CachedBlockSet, KVEventBatch, KVSnapshot
 from kvos.core.load import EngineLoad
+from kvos.core.registry import Registry
 
 BlockHash = bytes
 
@@ -115,18 +115,9 @@ class Router(ABC):
         self.live[engine] = False
 
 
-ROUTERS: dict[str, type[Router]] = {}
+ROUTERS: Registry[type[Router]] = Registry("router")
 """Routers by name, filled by ``register_router``: the choices of ``--router``."""
-
-_R = TypeVar("_R", bound=type[Router])
-
-
-def register_router(cls: _R) -> _R:
-    """Class decorator: make ``cls`` selectable by its ``name`` (``make_router``, ``--router``)."""
-    if cls.name in ROUTERS:
-        raise ValueError(f"router {cls.name!r} is already registered")
-    ROUTERS[cls.name] = cls
-    return cls
+register_router = ROUTERS.register
 
 
 @register_router

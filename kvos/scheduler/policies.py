@@ -4,8 +4,9 @@ class with a ``name`` and the registry's decorator. Pure Python (no torch)."""
 from __future__ import annotations
 
 import heapq
-from typing import Protocol, TypeVar
+from typing import Protocol
 
+from kvos.core.registry import Registry
 from kvos.core.request import Request
 
 WaitingEntry = tuple[tuple, Request]
@@ -56,29 +57,12 @@ class VictimOrder:
         raise NotImplementedError
 
 
-WAITING_POLICIES: dict[str, type[WaitingQueuePolicy]] = {}
+WAITING_POLICIES: Registry[type[WaitingQueuePolicy]] = Registry("scheduling policy")
 """Waiting-queue policies by name (``scheduling_policy``)."""
-VICTIM_ORDERS: dict[str, type[VictimOrder]] = {}
+VICTIM_ORDERS: Registry[type[VictimOrder]] = Registry("preemption order")
 """Preemption victim orders by name (``preemption_order``)."""
-
-_W = TypeVar("_W", bound=type[WaitingQueuePolicy])
-_V = TypeVar("_V", bound=type[VictimOrder])
-
-
-def register_waiting_policy(cls: _W) -> _W:
-    """Class decorator: make ``cls`` selectable as ``scheduling_policy=cls.name``."""
-    if cls.name in WAITING_POLICIES:
-        raise ValueError(f"scheduling policy {cls.name!r} is already registered")
-    WAITING_POLICIES[cls.name] = cls
-    return cls
-
-
-def register_victim_order(cls: _V) -> _V:
-    """Class decorator: make ``cls`` selectable as ``preemption_order=cls.name``."""
-    if cls.name in VICTIM_ORDERS:
-        raise ValueError(f"preemption order {cls.name!r} is already registered")
-    VICTIM_ORDERS[cls.name] = cls
-    return cls
+register_waiting_policy = WAITING_POLICIES.register
+register_victim_order = VICTIM_ORDERS.register
 
 
 @register_waiting_policy
