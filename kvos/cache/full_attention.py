@@ -133,6 +133,17 @@ class FullAttentionManager:
         self.tables[child.request_id] = table
         self._num_cached[child.request_id] = self._num_cached.get(parent.request_id, 0)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the table's blocks past ``cdiv(num_tokens, block_size)``, tail first."""
+        table = self.tables.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:]
+        assert all(b.ref_cnt == 1 and b.block_hash is None for b in extra), "trim: a shared or cached block"
+        self.pool.free_blocks(reversed(extra))
+
     def free(self, seq: CacheableSequence) -> None:
         """Release ``seq``'s blocks, tail first (so its chain's tail is evicted first)."""
         table = self.tables.pop(seq.request_id, [])

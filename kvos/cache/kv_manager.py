@@ -333,6 +333,16 @@ class KVCacheManager:
         for m in self.managers:
             m.cache_blocks(seq, hashes, root, num_tokens)
 
+    def trim(self, seq: CacheableSequence) -> None:
+        """Free ``seq``'s blocks past the ones its ``num_tokens`` tokens need: after a verify
+        step, blocks that held only rejected drafts. Only safe for blocks no one else
+        references and that are not registered (drafts' blocks are fresh and never cached
+        before their tokens are accepted)."""
+        for m in self.managers:
+            m.trim(seq.request_id, seq.num_tokens)
+        if seq.request_id in self._tokens:
+            self._tokens[seq.request_id] = min(self._tokens[seq.request_id], seq.num_tokens)
+
     def fork(self, parent: CacheableSequence, child: CacheableSequence) -> None:
         for m in self.managers:
             m.fork(parent, child)

@@ -7,6 +7,7 @@ from kvos.cache.eviction import EVICTION_POLICIES, online_policies
 from kvos.cache.tiers.hierarchy import WRITE_POLICIES
 from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
 from kvos.scheduler.scheduler import SchedulerConfig
+from kvos.spec.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 KV_LAYOUTS = ("unified", "equal_pages", "homogeneous")
@@ -133,6 +134,11 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
     async_scheduling: bool | None = field(default=None, metadata={
         "help": "schedule and queue step N+1 while step N runs (default: on for a CUDA device)"})
+    speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
+        "type": str, "metavar": "JSON",
+        "help": "speculative decoding, vLLM's shape: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' (plus disable_by_batch_size: no drafts "
+                "above that many sequences); speculative steps run synchronously"})
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
@@ -160,6 +166,7 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.tier_encryption_key_file is not None:
             from kvos.cache.tiers.codec import load_key_file
 

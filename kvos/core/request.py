@@ -64,6 +64,10 @@ class Request:
     forked: bool = False
     num_pending: int = 0
     queued_at_step: int = 0  # the scheduler step at which it last joined the waiting queue
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed to follow ``all_token_ids``, set before a schedule
+    and consumed by it (scheduled for verification, or dropped); never counted in
+    ``num_tokens`` and never in the prefix cache until the target accepts them."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

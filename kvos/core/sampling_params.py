@@ -17,7 +17,9 @@ class SamplingParams:
     token's logit, counting the sequence's generated tokens; ``repetition_penalty`` (vLLM's and
     HF's, > 0) divides the positive logits of tokens seen in the prompt or the output by it and
     multiplies the negative ones; ``logit_bias`` maps token ids to a bias in [-100, 100] added
-    to their logits. While fewer than ``min_tokens`` tokens are generated, EOS (unless
+    to their logits. ``speculative=False`` keeps this request out of speculative decoding
+    (an engine speculates only for requests without penalties, logit bias, ``min_tokens`` or
+    logprobs). While fewer than ``min_tokens`` tokens are generated, EOS (unless
     ``ignore_eos``) and ``stop_token_ids`` cannot be sampled. Invalid values raise
     ``ValueError`` naming the field.
     """
@@ -41,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    speculative: bool = True
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -62,6 +65,13 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
+    def can_speculate(self) -> bool:
+        """True when drafts may be verified for this request: it allows it and its tokens'
+        distribution depends on nothing the verify step does not see (no penalties, bias or
+        ``min_tokens`` ban, which read the tokens before each position; no logprobs)."""
+        return self.speculative and not self.adjusts_logits and self.logprobs is None
+
+    @property
     def adjusts_logits(self) -> bool:
         """True when the sampler must change this request's logits before sampling (penalties,
         logit bias, or ``min_tokens``' ban on stop tokens)."""
@@ -71,6 +81,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "must be true or false")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:

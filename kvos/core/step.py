@@ -46,6 +46,10 @@ class StepSeq:
     samplers: list[SampleTarget] = field(default_factory=list)
     prompt_logprobs: tuple[int, list[int]] | None = None
     """(k, the prompt tokens at positions ``start + 1 ...`` that this chunk's rows score)."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: the last tokens of ``token_ids`` are these drafts; the one sampling
+    target gets the accepted drafts and one token of its own, from the logits of the last
+    ``len(draft_token_ids) + 1`` positions."""
 
 
 @dataclass(slots=True)

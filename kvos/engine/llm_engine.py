@@ -38,6 +38,8 @@ from kvos.models.loader import (
 from kvos.scheduler.connector import KVConnectorScheduler
 from kvos.scheduler.describe import describe_step
 from kvos.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvos.spec.ngram import NgramProposer
+from kvos.spec.stats import SpecStats
 from kvos.worker.device import resolve_device
 from kvos.worker.runner import LaunchedStep, ModelRunner, parse_dtype
 
@@ -188,6 +190,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction) if config.enable_prefix_caching else None
         self._pending_pins: dict[str, _PendingPin] = {}  # compute request id -> pin to take
+        self.speculative = config.speculative_config
+        """How the engine speculates (None: it does not); see ``kvos.spec``."""
+        self.proposer = (NgramProposer(self.speculative.num_speculative_tokens, self.speculative.prompt_lookup_min,
+                                       self.speculative.prompt_lookup_max) if self.speculative else None)
+        self.spec_stats = SpecStats()
         self.schedule_hook = None
         """Called with each step's SchedulerOutput before it runs (tests compare the simulator)."""
 
@@ -269,6 +276,8 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         for seq in ureq.seqs.values():
             self._user_request_of.pop(seq.request_id, None)
+            if self.proposer is not None:
+                self.proposer.drop(seq.request_id)
 
     def request_ids(self) -> list[str]:
         """Ids of the requests not finished yet."""
@@ -333,7 +342,39 @@ class LLMEngine:
         finally:
             self.step_seconds += time.perf_counter() - t0
 
+    def _speculates_now(self) -> bool:
+        """Load awareness: speculate only while the step's batch (running sequences plus those
+        that may join) is at most ``disable_by_batch_size``."""
+        assert self.speculative is not None
+        batch = min(self.config.max_num_seqs, len(self.scheduler.running) + self.scheduler.num_waiting())
+        if batch <= self.speculative.disable_by_batch_size:
+            return True
+        self.spec_stats.skipped_for_load += 1
+        return False
+
+    def _propose(self) -> None:
+        """Draft tokens for every running sequence that decodes one known token next and whose
+        request allows speculation (``SamplingParams.can_speculate``)."""
+        assert self.proposer is not None
+        t0 = time.perf_counter()
+        for req in self.scheduler.running:
+            if (req.num_pending or req.num_computed_tokens != req.num_tokens - 1
+                    or not req.sampling_params.can_speculate):
+                continue
+            req.draft_token_ids = self.proposer.propose(req.request_id, req.all_token_ids)
+        self.spec_stats.draft_seconds += time.perf_counter() - t0
+
     def _step(self, final_only: bool) -> list[RequestOutput]:
+        drained: list[RequestOutput] = []
+        if self.proposer is not None and self._speculates_now():
+            if self._in_flight is not None:  # drafts need every token known: finish the step in flight
+                drained = self._finish_step(*self._in_flight, final_only)
+                self._in_flight = None
+            self._propose()
+            return drained + self._launch_step(final_only, sync=True)
+        return self._launch_step(final_only, sync=not self.async_scheduling)
+
+    def _launch_step(self, final_only: bool, sync: bool) -> list[RequestOutput]:
         if self.offload is not None:
             self.offload.install_ready()
         if self._adopter.busy:
@@ -351,9 +392,14 @@ class LLMEngine:
         if not out.is_empty:
             self.steps += 1
             self.batched_tokens += out.num_batched_tokens
+        t0 = time.perf_counter()
         launched = self.runner.launch(describe_step(out))
-        if not self.async_scheduling:
-            return self._finish_step(out, launched, final_only)
+        if sync:
+            outputs = self._finish_step(out, launched, final_only)
+            if launched.verify is not None:
+                self.spec_stats.verify_steps += 1
+                self.spec_stats.verify_seconds += time.perf_counter() - t0
+            return outputs
         previous, self._in_flight = self._in_flight, (out, launched)
         outputs = self._finish_step(*previous, final_only) if previous is not None else []
         if out.is_empty:  # nothing in flight: report its finished requests now
@@ -370,7 +416,13 @@ class LLMEngine:
                 for pos, row in enumerate(rows, first):
                     if plps[pos] is None:  # a recompute after preemption keeps the first values
                         plps[pos] = row
-        got = self.scheduler.update_from_output(out, {r: s.token_id for r, s in sampled.items()})
+        got = self.scheduler.update_from_output(
+            out, {r: s.spec_token_ids or s.token_id for r, s in sampled.items()})
+        if launched.verify is not None:
+            for s in out.seqs:
+                st = sampled.get(s.request.request_id)
+                if s.draft_token_ids and st is not None:
+                    self.spec_stats.record(len(s.draft_token_ids), len(st.spec_token_ids or ()) - 1)
         if self.offload is not None:
             self.offload.after_step()
         now = time.monotonic()
@@ -395,6 +447,8 @@ class LLMEngine:
                 self._user_requests.pop(ureq.request_id, None)
                 for seq in ureq.seqs.values():
                     self._user_request_of.pop(seq.request_id, None)
+                    if self.proposer is not None:
+                        self.proposer.drop(seq.request_id)
         if self._pending_pins:
             self._take_pins([o.request_id for o in outputs if o.finished])
         return outputs
@@ -445,6 +499,10 @@ class LLMEngine:
             s["tiers"] = self.tiers.usage()
         if self._adopter.used:
             s.update(self._adopter.stats())
+        if self.speculative is not None:
+            s["speculative"] = {"method": self.speculative.method,
+                                "num_speculative_tokens": self.speculative.num_speculative_tokens,
+                                **self.spec_stats.as_dict()}
         return s
 
     def reset_prefix_cache(self) -> int:

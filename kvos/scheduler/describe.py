@@ -33,8 +33,11 @@ def _seq(s: ScheduledSeq) -> StepSeq:
         hi = min(end, len(prompt) - 1)
         if hi > s.start:
             plp = (k, prompt[s.start + 1: hi + 1])
-    return StepSeq(req.request_id, s.start, s.num_new_tokens, req.all_token_ids[s.start: end],
-                   [[b.block_id for b in t] for t in s.tables], [_target(r) for r in s.samplers], plp)
+    drafts = s.draft_token_ids
+    tokens = req.all_token_ids[s.start: end - len(drafts)] + drafts if drafts else req.all_token_ids[s.start: end]
+    return StepSeq(req.request_id, s.start, s.num_new_tokens, tokens,
+                   [[b.block_id for b in t] for t in s.tables], [_target(r) for r in s.samplers], plp,
+                   list(drafts))
 
 
 def describe_step(out: SchedulerOutput) -> StepDescription:

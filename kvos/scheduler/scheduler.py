@@ -57,6 +57,9 @@ class ScheduledSeq:
     num_new_tokens: int
     tables: list[list[KVBlock]]  # live block table per cache group: read before the next schedule()
     samplers: list[Request] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: the last ``len(draft_token_ids)`` of the step's tokens are these
+    drafts, verified against the logits of every position from the last known token on."""
 
     @property
     def block_ids(self) -> list[list[int]]:
@@ -116,6 +119,11 @@ class Scheduler:
     blocks allow. When blocks run out, the ``preemption_order`` names the victim; its blocks are
     freed (full ones stay cached) and it rejoins the waiting queue, to resume by recompute with
     prefix hits (or by swap-in).
+
+    A decoding request with ``draft_token_ids`` computes them too (speculative decoding, at
+    most what the budget, ``max_tokens`` and ``max_model_len`` leave room for; dropped rather
+    than preempting anyone); ``update_from_output`` then takes the tokens the target accepted
+    plus one, counts only the accepted drafts computed, and frees the blocks past them.
 
     ``schedule`` counts a step's tokens as computed and its samples as pending
     (``Request.num_pending``) at once; ``update_from_output`` delivers the tokens. So the next
@@ -193,6 +201,7 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft_token_ids = []
         if self.swapper is not None and req.num_computed_tokens:
             n = -(-req.num_computed_tokens // self.kv.block_size)
             if self.swapper.swap_out(req.request_id, self.kv.block_ids(req.request_id)[0][:n]):
@@ -248,9 +257,14 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0 or (req.num_pending and req.length_reached_with_pending()):
+                req.draft_token_ids = []
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new):
+            drafts = self._take_drafts(req, num_new, budget)
+            while not self.kv.allocate_slots(req, num_new + len(drafts)):
+                if drafts:  # no room to verify drafts: decode one token rather than preempt
+                    drafts = []
+                    continue
                 if len(self.running) == 1:  # alone and still too big: the pool can never hold it
                     self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                     break
@@ -263,8 +277,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next one
-            scheduled[req.request_id] = self._scheduled(req, num_new)
-            budget -= num_new
+            scheduled[req.request_id] = self._scheduled(req, num_new, drafts)
+            budget -= num_new + len(drafts)
             i += 1
 
         loads: list[PrefixLoad] = []
@@ -319,12 +333,14 @@ class Scheduler:
                 scheduled[req.request_id] = self._scheduled(req, num_new)
                 budget -= num_new
 
+        for req in self.running:  # drafts are for this step only (unscheduled ones are dropped)
+            req.draft_token_ids = []
         seqs = list(scheduled.values())
         for s in seqs:
             self._fork_if_needed(s)
         for s in seqs:  # the step's tokens count as computed and its samples as pending now,
             req = s.request  # so the next step can be scheduled before this one's output is in
-            req.num_computed_tokens = s.start + s.num_new_tokens
+            req.num_computed_tokens = s.start + s.num_new_tokens - len(s.draft_token_ids)
             req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
             for target in s.samplers:
                 target.num_pending += 1
@@ -415,11 +431,26 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _take_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts ``req`` verifies this step (its ``draft_token_ids``, consumed): only when it
+        decodes one known token, cut to the budget left after that token and to one fewer than
+        the tokens ``max_tokens`` and ``max_model_len`` still allow (the verify step yields one
+        more than it accepts)."""
+        drafts, req.draft_token_ids = req.draft_token_ids, []
+        if not drafts or num_new != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        room = min(budget - 1, req.max_model_len - req.num_tokens - 1)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return drafts[:max(0, room)]
+
+    def _scheduled(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
         samples = start + num_new == req.num_tokens
-        return ScheduledSeq(req, start, num_new, self.kv.block_tables(req.request_id),
-                            [req] if samples else [])
+        drafts = drafts or []
+        return ScheduledSeq(req, start, num_new + len(drafts), self.kv.block_tables(req.request_id),
+                            [req] if samples else [], drafts)
 
     def _fork_if_needed(self, s: ScheduledSeq) -> None:
         """At the end of an ``n > 1`` prompt, share its blocks with ``n - 1`` new sequences;
@@ -439,14 +470,18 @@ class Scheduler:
             s.samplers.append(child)
 
     # -- after the forward ---------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """Register the step's full blocks, deliver its sampled (pending) tokens, finish
-        sequences that hit a token-level stop. Returns the sequences that received a token. A
+        sequences that hit a token-level stop. A sequence that verified drafts gets a list: the
+        drafts accepted, then the target's own token. Returns the sequences that received a token. A
         target preempted after this step was scheduled (async scheduling) still gets its token:
         it was sampled from complete KV."""
         got_token = []
         for s in out.seqs:
             req = s.request
+            if s.draft_token_ids:
+                self._deliver_verified(req, sampled.get(req.request_id), got_token)
+                continue
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_blocks(req, s.start + s.num_new_tokens)
             for target in s.samplers:
@@ -458,3 +493,25 @@ class Scheduler:
                 if status is not None:
                     self.finish_request(target.request_id, status)
         return got_token
+
+    def _deliver_verified(self, req: Request, tokens: int | list[int] | None, got_token: list[Request]) -> None:
+        """Apply a verify step: ``tokens`` are the accepted drafts then one token of the target
+        (a verify step is never in flight behind another: speculative steps run synchronously).
+        The accepted drafts' KV was written by the step, so they count as computed; blocks past
+        the sequence's tokens held only rejected drafts and go back to the pool unregistered;
+        only then are full blocks registered, so no unverified token is ever in the index."""
+        if tokens is None or req.is_finished:
+            return
+        if isinstance(tokens, int):
+            tokens = [tokens]
+        req.num_computed_tokens += len(tokens) - 1
+        req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
+        got_token.append(req)
+        for tok in tokens:
+            req.append_token(tok)
+            status = req.check_stop()
+            if status is not None:
+                self.finish_request(req.request_id, status)
+                return
+        self.kv.trim(req)
+        self.kv.cache_blocks(req)

@@ -27,6 +27,7 @@ from kvos.worker.sampler import (
     SampleRow,
     prompt_logprobs,
 )
+from kvos.worker.spec_verify import DraftRows, PendingVerify, launch_verify
 from kvos.worker.torch_attention import TorchReferenceBackend
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -41,6 +42,8 @@ class LaunchedStep:
     targets: list[str]
     samples: PendingSamples | None
     prompt_logprobs: PendingPromptLogprobs | None = None
+    verify: PendingVerify | None = None
+    """Speculative drafts being verified (their targets are not in ``targets``)."""
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -297,6 +300,7 @@ class ModelRunner:
         plp_rows: list[int] = []  # rows scoring the next prompt token (prompt logprobs)
         plp_entries: list[PromptLogprobRows] = []
         feed_dst, feed_src = [], []  # input positions whose token is still on the device
+        drafts: list[DraftRows] = []
         last_rows: dict[str, int] | None = None
         t = 0
         for i, s in enumerate(seqs):
@@ -319,7 +323,14 @@ class ModelRunner:
                 plp_rows.extend(range(t, t + len(scored)))
                 plp_entries.append(PromptLogprobRows(s.request_id, s.start + 1, scored, k))
             t += s.num_new_tokens
-            if s.samplers:
+            if s.draft_token_ids:  # one sampling target, verified over the last k + 1 rows
+                k = len(s.draft_token_ids)
+                target = s.samplers[0]
+                drafts.append(DraftRows(target.request_id, len(logit_rows), s.draft_token_ids, target.params,
+                                        self._generator(target)))
+                logit_rows.extend(range(t - 1 - k, t))
+                row_ids.extend([s.request_id] * (k + 1))
+            elif s.samplers:
                 row = len(logit_rows)
                 logit_rows.append(t - 1)
                 row_ids.append(s.request_id)
@@ -361,7 +372,7 @@ class ModelRunner:
             slot_mapping=slots_t[g], block_tables=tables_t[g], seq_lens=rest[:n], query_lens_list=qlist,
             seq_lens_list=slist, num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
             max_prefill_len=max_prefill) for g in range(G)]
-        return input_ids, pos_t, metas, tables_t, slots_t, logit_idx, row_ids, sample_rows, targets, plp
+        return input_ids, pos_t, metas, tables_t, slots_t, logit_idx, row_ids, sample_rows, targets, plp, drafts
 
     @torch.inference_mode()
     def execute(self, step: StepDescription) -> dict[str, SampledToken]:
@@ -383,7 +394,7 @@ class ModelRunner:
         if step.is_empty:
             return LaunchedStep([], None)
         (input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets,
-         plp) = self._prepare(step)
+         plp, drafts) = self._prepare(step)
         meta, g = metas[0], self.graphs
         if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
                 g.can_run(meta.num_decodes, tables.shape[2]):
@@ -397,9 +408,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logit_idx])
         if self.logits_hook is not None:
             self.logits_hook(row_ids, logits)
+        verify = launch_verify(logits, drafts) if drafts else None
+        if not sample_rows:
+            return LaunchedStep([], None, pending_plp, verify)
         pending = self.sampler.launch(logits, sample_rows, self._last_tokens)
         self._last_tokens, self._last_targets = pending.tokens, targets
-        return LaunchedStep(targets, pending, pending_plp)
+        return LaunchedStep(targets, pending, pending_plp, verify)
 
     def _launch_prompt_logprobs(self, hidden: torch.Tensor, entries: list[PromptLogprobRows],
                                 rows: torch.Tensor, targets: torch.Tensor) -> PendingPromptLogprobs:
@@ -417,10 +431,13 @@ class ModelRunner:
         return out
 
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
-        """Wait for a launched step's samples: a token for every sampling target."""
-        if step.samples is None:
-            return {}
-        return dict(zip(step.targets, self.sampler.collect(step.samples)))
+        """Wait for a launched step's samples: a token for every sampling target (a verified
+        one's ``spec_token_ids`` holds all its tokens)."""
+        out = {} if step.samples is None else dict(zip(step.targets, self.sampler.collect(step.samples)))
+        if step.verify is not None:
+            for rid, tokens in step.verify.collect().items():
+                out[rid] = SampledToken(tokens[-1], spec_token_ids=tokens)
+        return out
 
     @staticmethod
     def collect_prompt_logprobs(step: LaunchedStep) -> dict[str, tuple[int, list[dict[int, float]]]]:

@@ -43,6 +43,8 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    spec_token_ids: list[int] | None = None
+    """A verify step's tokens: the accepted drafts, then ``token_id``."""
 
 
 @dataclass

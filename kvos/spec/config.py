@@ -1,0 +1,66 @@
+"""``SpeculativeConfig``: how an engine speculates, parsed from vLLM's dict shape."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)
+"""Proposers built so far."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    "prompt_lookup_max": b}`` (vLLM's keys), plus ``disable_by_batch_size``: with more
+    running sequences than this, no step speculates (the verify step's extra tokens would
+    cost more throughput than the accepted drafts save; see docs/speculative.md).
+
+    ``ngram``: the draft continues the latest earlier occurrence of the sequence's last ``n``
+    tokens, for ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, in the prompt
+    and the output so far.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text; unknown keys and bad values raise ``ValueError`` naming
+        the key. One of ``prompt_lookup_min``/``max`` alone sets both (as vLLM does)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key {unknown[0]!r}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ValueError("speculative_config.method is required (one of " + ", ".join(METHODS) + ")")
+        kw = dict(value)
+        if "prompt_lookup_min" in kw and "prompt_lookup_max" not in kw:
+            kw["prompt_lookup_max"] = max(kw["prompt_lookup_min"], cls.prompt_lookup_max) \
+                if isinstance(kw["prompt_lookup_min"], int) else kw["prompt_lookup_min"]
+        if "prompt_lookup_max" in kw and "prompt_lookup_min" not in kw:
+            kw["prompt_lookup_min"] = min(kw["prompt_lookup_max"], cls.prompt_lookup_min) \
+                if isinstance(kw["prompt_lookup_max"], int) else kw["prompt_lookup_max"]
+        return cls(**kw)
