@@ -89,10 +89,37 @@ class _EngineCollector(Collector):
             for t in tiers:
                 fam.add_metric([t["name"]], t[key])
             yield fam
+        spec = s.get("speculative")
+        if spec is not None:
+            yield from _spec_families(spec)
         yield from _engine_families(s.get("engines", []))
         router = s.get("router")
         if router is not None:
             yield from _router_families(router)
+
+
+def _spec_families(spec: dict) -> Iterator:
+    """Speculative decoding's counters (vLLM's ``spec_decode_*`` names)."""
+    for name, key, doc in [
+        ("kvos:spec_decode_num_drafts", "verified_seqs", "Sequences that verified drafts (one per verify)."),
+        ("kvos:spec_decode_num_draft_tokens", "proposed", "Draft tokens proposed and verified."),
+        ("kvos:spec_decode_num_accepted_tokens", "accepted", "Draft tokens the target accepted."),
+        ("kvos:spec_decode_draft_seconds", "draft_seconds", "Time spent proposing drafts."),
+        ("kvos:spec_decode_verify_seconds", "verify_seconds", "Time spent in speculative (verify) steps."),
+        ("kvos:spec_decode_skipped_for_load", "skipped_for_load",
+         "Steps that ran without drafts because the batch exceeded disable_by_batch_size."),
+    ]:
+        yield CounterMetricFamily(name, doc, value=spec[key])
+    per_pos = CounterMetricFamily("kvos:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each position.", labels=["position"])
+    for i, n in enumerate(spec.get("accepted_by_position", [])):
+        per_pos.add_metric([str(i)], n)
+    yield per_pos
+    yield GaugeMetricFamily("kvos:spec_decode_acceptance_rate", "Accepted / proposed draft tokens.",
+                            value=spec["acceptance_rate"])
+    yield GaugeMetricFamily("kvos:spec_decode_mean_accepted_length",
+                            "Tokens each verify yields per sequence (1 + accepted drafts).",
+                            value=spec["mean_accepted_length"])
 
 
 def _engine_families(engines: list[dict]) -> Iterator:

@@ -58,7 +58,8 @@ _UNSUPPORTED = {"tools": "tool (function) calling", "tool_choice": "tool (functi
 
 class _Common(BaseModel):
     """Fields shared by both endpoints; ``top_k``, ``min_p``, ``ignore_eos``, ``cache_salt`` and
-    ``priority`` are kvos (and vLLM) extensions."""
+    ``priority`` are kvos (and vLLM) extensions, ``speculative`` (false: this request never
+    verifies drafts) is kvos's."""
 
     model_config = STRICT
 
@@ -84,6 +85,7 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     return_token_ids: bool | None = None
+    speculative: bool = True
 
     @model_validator(mode="after")
     def _check(self):
@@ -114,7 +116,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
-            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
+            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, speculative=self.speculative)
 
 
 class CompletionRequest(_Common):

@@ -37,7 +37,8 @@ class SpecStats:
         return {"verify_steps": self.verify_steps, "verified_seqs": self.verified_seqs,
                 "proposed": self.proposed, "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-                "acceptance_rate_by_position": rate,
+                "acceptance_rate_by_position": rate, "accepted_by_position": list(self.accepted_by_position),
+                "proposed_by_position": list(self.proposed_by_position),
                 "mean_accepted_length": (1 + self.accepted / self.verified_seqs) if self.verified_seqs else 0.0,
                 "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
                 "skipped_for_load": self.skipped_for_load}

@@ -1,0 +1,93 @@
+"""Speculative decoding on the real model (CPU): greedy outputs equal plain decoding's and
+transformers' whatever the cache does (prefix hits, chunked prefill, preemption by recompute and
+by swap, n > 1); seeded sampling reproduces; requests that opt out, and batches above
+``disable_by_batch_size``, do not speculate; the stats count what happened."""
+from __future__ import annotations
+
+import pytest
+
+from kvos import SamplingParams
+from tests.support.hf_reference import hf_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+DOC = ("Paged KV blocks of sixteen tokens are shared between requests that start with the same prefix; "
+       "when memory runs out, the least recently used unreferenced block is evicted first. ")
+QUOTE = f"Repeat this text word for word.\n\nText: {DOC * 2}\n\nRepeated text: Paged KV"
+CODE = ("def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n"
+        "# Rewrite both functions with type hints.\ndef area(w: float, h: float) -> float:\n")
+FREE = "Tell me a short story about a lighthouse keeper."
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(make_llm):
+    return make_llm(kv_cache_memory_bytes=64 << 20, speculative_config=NGRAM)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+def test_greedy_equals_plain_decoding_and_transformers(llm, spec_llm, hf_model):
+    prompts = [QUOTE, CODE, FREE]
+    plain = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    before = spec_llm.engine.spec_stats.accepted
+    spec = tokens(spec_llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert spec == plain
+    ids = spec_llm.get_tokenizer()(QUOTE).input_ids
+    assert spec[0] == hf_greedy(hf_model, list(ids), 40)[0]
+    assert spec_llm.engine.spec_stats.accepted > before + 20  # the quoting prompt's drafts were accepted
+    again = tokens(spec_llm.generate([QUOTE], GREEDY, use_tqdm=False))  # a prefix hit this time
+    assert again[0] == plain[0]
+    assert spec_llm.engine.kv.counters.prefix_hits_tokens > 0
+
+
+@pytest.mark.parametrize("case", ["chunked_prefill", "recompute", "swap", "n2"])
+def test_greedy_equality_under_the_cache_s_pressures(llm, make_llm, case):
+    kw = {"speculative_config": NGRAM, "kv_cache_memory_bytes": 64 << 20}
+    params = GREEDY
+    prompts = [QUOTE, CODE]
+    if case == "chunked_prefill":
+        kw["max_num_batched_tokens"] = 24
+    elif case in ("recompute", "swap"):  # a pool too small for all four at once: some are preempted
+        kw.update(num_blocks=24, block_size=8, preemption_mode=case, swap_space_gb=0.05)
+        prompts = [QUOTE, CODE, QUOTE + " the", CODE + "    "]
+    else:
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    eng = make_llm(**kw)
+    plain = tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert tokens(eng.generate(prompts, params, use_tqdm=False)) == plain
+    stats = eng.engine.stats()["speculative"]
+    assert stats["accepted"] > 0
+    if case in ("recompute", "swap"):
+        assert eng.engine.kv.counters.preemptions > 0
+    if case == "swap":
+        assert eng.engine.kv.counters.swapped_out_blocks > 0
+
+
+def test_seeded_sampling_reproduces_and_opting_out_skips_speculation(spec_llm):
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True)
+    a = tokens(spec_llm.generate([QUOTE], sp, use_tqdm=False))
+    b = tokens(spec_llm.generate([QUOTE, FREE], [sp, SamplingParams(temperature=1.0, max_tokens=20)],
+                                 use_tqdm=False))
+    assert a[0] == b[0]
+    stats = spec_llm.engine.spec_stats
+    before = stats.verified_seqs
+    off = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculative=False)
+    spec_llm.generate([QUOTE], off, use_tqdm=False)
+    assert stats.verified_seqs == before
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="no")
+
+
+def test_load_awareness_turns_speculation_off_above_the_batch_limit(llm, make_llm):
+    eng = make_llm(kv_cache_memory_bytes=64 << 20, speculative_config={**NGRAM, "disable_by_batch_size": 1})
+    prompts = [QUOTE, CODE, QUOTE + " the"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert tokens(eng.generate(prompts, params, use_tqdm=False)) == tokens(llm.generate(prompts, params,
+                                                                                          use_tqdm=False))
+    stats = eng.engine.stats()["speculative"]
+    assert stats["skipped_for_load"] > 0 and stats["verify_steps"] == 0
+    one = tokens(eng.generate([QUOTE], params, use_tqdm=False))  # alone: it speculates
+    assert eng.engine.stats()["speculative"]["verify_steps"] > 0 and one[0] == tokens(
+        llm.generate([QUOTE], params, use_tqdm=False))[0]
