@@ -153,7 +153,11 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.layout, num_blocks)
         t_alloc = time.perf_counter()
         if self.runner.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+            rows = config.max_num_seqs  # a verify step is a decode batch of k + 1 rows per sequence
+            spec = config.speculative_config
+            if spec is not None:
+                rows = max(rows, min(rows, spec.disable_by_batch_size) * (spec.num_speculative_tokens + 1))
+            self.runner.capture_decode_graphs(rows, self.max_model_len)
         t_graphs = time.perf_counter()
         self.startup_s = {"weights": t_weights - t0, "kv_profile": t_profile - t_weights,
                           "kv_allocate": t_alloc - t_profile, "cuda_graphs": t_graphs - t_alloc}

@@ -346,6 +346,14 @@ class ModelRunner:
         positions = np.arange(ends[-1]) - np.repeat(ends - qlens - starts, qlens)
         slots = tables[:, np.repeat(np.arange(n), qlens), positions // bs].astype(np.int64) * bs + positions % bs
         nd = int(np.count_nonzero(qlens == 1))
+        if drafts and nd < n and all(s.num_new_tokens == 1 + len(s.draft_token_ids) for s in seqs):
+            # a verify step without prefill: each token is a decode row of its own length with its
+            # sequence's table, causal because every row's K/V is written before any row attends;
+            # so the step is a decode batch and runs in the decode CUDA graphs
+            tables = tables[:, np.repeat(np.arange(n), qlens)]
+            seq_lens = positions + 1
+            qlens = np.ones(len(positions), np.int64)
+            n = nd = len(positions)
         prefill_loc = np.concatenate([[0], np.cumsum(qlens[nd:])])
         # one host-to-device copy for every int64 input of the step (and one for the tables)
         plp_targets = [tok for e in plp_entries for tok in e.token_ids]
