@@ -41,6 +41,13 @@ def workloads(passages: int) -> dict[str, list[list[dict]]]:
     return out
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_min": 2, "prompt_lookup_max": 4}', help="the speculative engine's config (JSON)")
@@ -102,11 +109,18 @@ def run(a: argparse.Namespace) -> dict:
                     else:
                         plain_steps = e.steps - steps0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs["spec"])
-        same = [o.outputs[0].token_ids for o in outs["spec"]] == [o.outputs[0].token_ids for o in outs["plain"]]
+        spec_ids = [list(o.outputs[0].token_ids) for o in outs["spec"]]
+        plain_ids = [list(o.outputs[0].token_ids) for o in outs["plain"]]
+        same = spec_ids == plain_ids
+        # plain decoding of the same prompts as one batch: how far batch shape alone moves greedy tokens
+        batched = [list(o.outputs[0].token_ids) for o in plain.generate(prompts[w], params, use_tqdm=False)]
         rows[w] = {"output_tokens": n_out, "plain_tok_s": n_out / best["plain"], "spec_tok_s": n_out / best["spec"],
                    "speedup": best["plain"] / best["spec"], "plain_tokens_per_step": n_out / max(1, plain_steps),
                    "spec_tokens_per_step": n_out / max(1, spec_steps), "proposed": proposed, "accepted": accepted,
                    "acceptance_rate": accepted / proposed if proposed else 0.0, "greedy_identical": same,
+                   "common_prefix_tokens": [common_prefix(a, b) for a, b in zip(spec_ids, plain_ids)],
+                   "plain_batched_identical": batched == plain_ids,
+                   "plain_batched_common_prefix_tokens": [common_prefix(a, b) for a, b in zip(batched, plain_ids)],
                    "sample_output": tok.decode(outs["spec"][0].outputs[0].token_ids)[:160] if tok else None}
         print(w, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[w].items()
                              if k != "sample_output"}), flush=True)
@@ -135,7 +149,7 @@ def verify_cost(a: argparse.Namespace, kw: dict) -> dict:
     from kvos.core.step import SampleTarget, StepDescription, StepSeq
 
     k = json.loads(a.spec_config)["num_speculative_tokens"]
-    llm = LLM(**kw)
+    llm = LLM(**kw, speculative_config=a.spec_config)  # graphs captured for the verify rows too
     runner, bs = llm.engine.runner, llm.engine.kv.block_size
     greedy = SamplingParams(temperature=0)
     per_seq = -(-(a.context + k + 1) // bs)

@@ -38,6 +38,7 @@ from kvos.models.loader import (
 from kvos.scheduler.connector import KVConnectorScheduler
 from kvos.scheduler.describe import describe_step
 from kvos.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvos.spec.backoff import DraftBackoff
 from kvos.spec.ngram import NgramProposer
 from kvos.spec.stats import SpecStats
 from kvos.worker.device import resolve_device
@@ -199,6 +200,8 @@ class LLMEngine:
         self.proposer = (NgramProposer(self.speculative.num_speculative_tokens, self.speculative.prompt_lookup_min,
                                        self.speculative.prompt_lookup_max) if self.speculative else None)
         self.spec_stats = SpecStats()
+        self._draft_backoff = DraftBackoff()  # per sequence: drafts that were all rejected
+        self._probe_backoff = DraftBackoff(16)  # the engine: with async scheduling, probes that found no draft
         self.schedule_hook = None
         """Called with each step's SchedulerOutput before it runs (tests compare the simulator)."""
 
@@ -282,6 +285,7 @@ class LLMEngine:
             self._user_request_of.pop(seq.request_id, None)
             if self.proposer is not None:
                 self.proposer.drop(seq.request_id)
+                self._draft_backoff.drop(seq.request_id)
 
     def request_ids(self) -> list[str]:
         """Ids of the requests not finished yet."""
@@ -356,27 +360,40 @@ class LLMEngine:
         self.spec_stats.skipped_for_load += 1
         return False
 
-    def _propose(self) -> None:
-        """Draft tokens for every running sequence that decodes one known token next and whose
-        request allows speculation (``SamplingParams.can_speculate``)."""
+    def _propose(self) -> bool:
+        """Draft tokens for every running sequence that decodes one known token next, whose
+        request allows speculation (``SamplingParams.can_speculate``) and whose backoff allows
+        it (a sequence whose drafts were all rejected skips 1, 2, 4, ... chances). True if any
+        sequence got drafts."""
         assert self.proposer is not None
         t0 = time.perf_counter()
+        found = False
         for req in self.scheduler.running:
             if (req.num_pending or req.num_computed_tokens != req.num_tokens - 1
-                    or not req.sampling_params.can_speculate):
+                    or not req.sampling_params.can_speculate or not self._draft_backoff.allow(req.request_id)):
                 continue
             req.draft_token_ids = self.proposer.propose(req.request_id, req.all_token_ids)
+            found = found or bool(req.draft_token_ids)
         self.spec_stats.draft_seconds += time.perf_counter() - t0
+        return found
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
+        """A speculative step when the proposer is on and the batch is small enough; with async
+        scheduling it first finishes the step in flight (drafts need every token on the host),
+        and after a probe that found no draft the next 1, 2, 4, ... (at most 16) steps run
+        asynchronously without probing."""
+        if self.proposer is None or not self._speculates_now():
+            return self._launch_step(final_only, sync=not self.async_scheduling)
+        if self.async_scheduling and not self._probe_backoff.allow("engine"):
+            return self._launch_step(final_only, sync=False)
         drained: list[RequestOutput] = []
-        if self.proposer is not None and self._speculates_now():
-            if self._in_flight is not None:  # drafts need every token known: finish the step in flight
-                drained = self._finish_step(*self._in_flight, final_only)
-                self._in_flight = None
-            self._propose()
-            return drained + self._launch_step(final_only, sync=True)
-        return self._launch_step(final_only, sync=not self.async_scheduling)
+        if self._in_flight is not None:  # drafts need every token known: finish the step in flight
+            drained = self._finish_step(*self._in_flight, final_only)
+            self._in_flight = None
+        found = self._propose()
+        if self.async_scheduling:
+            self._probe_backoff.record("engine", found)
+        return drained + self._launch_step(final_only, sync=found or not self.async_scheduling)
 
     def _launch_step(self, final_only: bool, sync: bool) -> list[RequestOutput]:
         if self.offload is not None:
@@ -426,7 +443,9 @@ class LLMEngine:
             for s in out.seqs:
                 st = sampled.get(s.request.request_id)
                 if s.draft_token_ids and st is not None:
-                    self.spec_stats.record(len(s.draft_token_ids), len(st.spec_token_ids or ()) - 1)
+                    accepted = len(st.spec_token_ids or ()) - 1
+                    self.spec_stats.record(len(s.draft_token_ids), accepted)
+                    self._draft_backoff.record(s.request.request_id, accepted > 0)
         if self.offload is not None:
             self.offload.after_step()
         now = time.monotonic()
@@ -453,6 +472,7 @@ class LLMEngine:
                     self._user_request_of.pop(seq.request_id, None)
                     if self.proposer is not None:
                         self.proposer.drop(seq.request_id)
+                        self._draft_backoff.drop(seq.request_id)
         if self._pending_pins:
             self._take_pins([o.request_id for o in outputs if o.finished])
         return outputs

@@ -28,9 +28,20 @@ def tokens(outs) -> list[list[int]]:
     return [list(c.token_ids) for o in outs for c in o.outputs]
 
 
+_plain: dict[tuple, list[list[int]]] = {}
+
+
+def plain_tokens(llm, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    """Plain decoding's tokens on the shared engine (computed once per prompts and params)."""
+    key = (tuple(prompts), params.n, params.max_tokens)
+    if key not in _plain:
+        _plain[key] = tokens(llm.generate(prompts, params, use_tqdm=False))
+    return _plain[key]
+
+
 def test_greedy_equals_plain_decoding_and_transformers(llm, spec_llm, hf_model):
     prompts = [QUOTE, CODE, FREE]
-    plain = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    plain = plain_tokens(llm, prompts, GREEDY)
     before = spec_llm.engine.spec_stats.accepted
     spec = tokens(spec_llm.generate(prompts, GREEDY, use_tqdm=False))
     assert spec == plain
@@ -43,7 +54,7 @@ def test_greedy_equals_plain_decoding_and_transformers(llm, spec_llm, hf_model):
 
 
 @pytest.mark.parametrize("case", ["chunked_prefill", "recompute", "swap", "n2"])
-def test_greedy_equality_under_the_cache_s_pressures(llm, make_llm, case):
+def test_greedy_equality_under_the_cache_s_pressures(llm, make_llm, spec_llm, case):
     kw = {"speculative_config": NGRAM, "kv_cache_memory_bytes": 64 << 20}
     params = GREEDY
     prompts = [QUOTE, CODE]
@@ -54,11 +65,10 @@ def test_greedy_equality_under_the_cache_s_pressures(llm, make_llm, case):
         prompts = [QUOTE, CODE, QUOTE + " the", CODE + "    "]
     else:
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
-    eng = make_llm(**kw)
-    plain = tokens(llm.generate(prompts, params, use_tqdm=False))
-    assert tokens(eng.generate(prompts, params, use_tqdm=False)) == plain
-    stats = eng.engine.stats()["speculative"]
-    assert stats["accepted"] > 0
+    eng = spec_llm if case == "n2" else make_llm(**kw)
+    before = eng.engine.spec_stats.accepted
+    assert tokens(eng.generate(prompts, params, use_tqdm=False)) == plain_tokens(llm, prompts, params)
+    assert eng.engine.spec_stats.accepted > before
     if case in ("recompute", "swap"):
         assert eng.engine.kv.counters.preemptions > 0
     if case == "swap":
@@ -82,12 +92,10 @@ def test_seeded_sampling_reproduces_and_opting_out_skips_speculation(spec_llm):
 
 def test_load_awareness_turns_speculation_off_above_the_batch_limit(llm, make_llm):
     eng = make_llm(kv_cache_memory_bytes=64 << 20, speculative_config={**NGRAM, "disable_by_batch_size": 1})
-    prompts = [QUOTE, CODE, QUOTE + " the"]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    assert tokens(eng.generate(prompts, params, use_tqdm=False)) == tokens(llm.generate(prompts, params,
-                                                                                          use_tqdm=False))
+    prompts = [QUOTE, CODE, QUOTE + " the", CODE + "    "]
+    params = GREEDY
+    assert tokens(eng.generate(prompts, params, use_tqdm=False)) == plain_tokens(llm, prompts, params)
     stats = eng.engine.stats()["speculative"]
     assert stats["skipped_for_load"] > 0 and stats["verify_steps"] == 0
     one = tokens(eng.generate([QUOTE], params, use_tqdm=False))  # alone: it speculates
-    assert eng.engine.stats()["speculative"]["verify_steps"] > 0 and one[0] == tokens(
-        llm.generate([QUOTE], params, use_tqdm=False))[0]
+    assert eng.engine.stats()["speculative"]["verify_steps"] > 0 and one == plain_tokens(llm, [QUOTE], params)
