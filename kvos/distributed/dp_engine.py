@@ -143,6 +143,7 @@ class DataParallelEngine:
         self.router_stats = RouterStats(routed=[0] * total)
         self.poll_s = poll_s
         self.num_pending = 0  # sequences submitted with no output yet (the event loop only)
+        self.num_queued = 0  # sequences submitted and not yet taken by an engine (the event loop only)
         self._inflight: dict[str, _InFlight] = {}
         self._tasks: list[asyncio.Task] = []
         self._closed: str | None = None
@@ -191,6 +192,7 @@ class DataParallelEngine:
         stream = OutputChannel.here()
         rec = _InFlight(request_id, -1, prompt, params, priority, cache_salt, retriable, stream, hashes, 0)
         self.num_pending += params.n
+        self.num_queued += params.n
         try:
             if self.prefill_router is not None and self._worth_prefilling(rec):
                 await self._prefill(rec)
@@ -198,6 +200,8 @@ class DataParallelEngine:
         except BaseException:
             self.num_pending -= params.n
             raise
+        finally:
+            self.num_queued -= params.n
         return RequestStream(self, request_id, stream, params.n)
 
     def _count(self, i: int, rec: _InFlight) -> None:

@@ -44,6 +44,7 @@ class AsyncEngine:
         self._closed: str | None = None  # set by cut_all: why new requests are refused
         self._thread = threading.Thread(target=self._run, name="kvos-engine", daemon=True)
         self.num_pending = 0  # sequences submitted with no output yet (event-loop thread only)
+        self.num_queued = 0  # sequences submitted that the engine thread has not added yet
         config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_facts = ModelFacts(engine.kv.model_id, engine.max_model_len, engine.model_config.vocab_size,
@@ -69,12 +70,15 @@ class AsyncEngine:
         accepted = loop.create_future()
         self._submit(("add", (prompt, params, request_id, priority, cache_salt), stream, accepted))
         self.num_pending += params.n  # every sequence counts (a prompt forks into n)
+        self.num_queued += params.n
         try:
             await accepted
         except BaseException:
             self.num_pending -= params.n
             self.abort(request_id)  # covers cancellation after the engine already took it
             raise
+        finally:
+            self.num_queued -= params.n
         return RequestStream(self, request_id, stream, params.n)
 
     def abort(self, request_id: str) -> None:

@@ -98,6 +98,9 @@ class EngineClient(Protocol):
     num_pending: int
     """Sequences submitted with no output yet (a prompt with ``n`` samples counts ``n``);
     ``RequestStream`` lowers it as each request's first output arrives."""
+    num_queued: int
+    """Sequences submitted that no engine has taken yet (on their way to an engine's queue):
+    with the engines' own ``waiting``, the sequences not started."""
 
     @property
     def model_facts(self) -> ModelFacts: ...

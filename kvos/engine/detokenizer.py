@@ -30,6 +30,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = params
         self.token_ids: list[int] = []
+        self.seen = 0
+        """Tokens the last ``update`` saw."""
         self.text = ""
         self._full = ""
         self._prefix = 0
@@ -46,6 +48,7 @@ class IncrementalDetokenizer:
 
     def update(self, token_ids: list[int]) -> str | None:
         self.token_ids = token_ids
+        self.seen = len(token_ids)
         if self.tokenizer is None:
             return None
         delta = self._pending()

@@ -486,7 +486,19 @@ class LLMEngine:
             ureq.cum_logprob[i] = ureq.cum_logprob.get(i, 0.0) + st.logprob
             entry = {st.token_id: st.logprob, **dict(st.top_logprobs or [])}
             ureq.logprobs.setdefault(i, []).append(entry)
-        stop = detok.update(seq.output_token_ids)
+        ids = seq.output_token_ids
+        new = len(ids) - detok.seen
+        if new > 1 and ureq.params.stop_strings:  # a verify step's tokens, one at a time as plain decoding
+            for end in range(len(ids) - new + 1, len(ids) + 1):  # sees them: none after a stop string
+                stop = detok.update(ids[:end])
+                if stop is not None:
+                    extra = len(ids) - end
+                    if extra:
+                        del seq.output_token_ids[end:]
+                        del seq.all_token_ids[len(seq.all_token_ids) - extra:]
+                    break
+        else:
+            stop = detok.update(ids)
         if stop is not None:
             seq.stop_reason = stop
             if seq.is_finished:

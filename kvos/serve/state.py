@@ -66,7 +66,9 @@ class ServerState:
 
     def _stats(self) -> dict:
         s = self.engine.stats()
-        s["waiting"] += self.engine.num_pending + self.num_tokenizing
+        # not started: in an engine's queue, on the way there, or being tokenized (num_pending would
+        # count the engine's queue twice and running prefills as waiting)
+        s["waiting"] += self.engine.num_queued + self.num_tokenizing
         return s
 
     @contextlib.contextmanager

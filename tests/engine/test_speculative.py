@@ -99,3 +99,17 @@ def test_load_awareness_turns_speculation_off_above_the_batch_limit(llm, make_ll
     assert stats["skipped_for_load"] > 0 and stats["verify_steps"] == 0
     one = tokens(eng.generate([QUOTE], params, use_tqdm=False))  # alone: it speculates
     assert eng.engine.stats()["speculative"]["verify_steps"] > 0 and one == plain_tokens(llm, [QUOTE], params)
+
+
+def test_stop_strings_end_a_verify_step_where_plain_decoding_stops(llm, spec_llm):
+    """A verify step may yield tokens past a stop string: they are dropped, so text, token ids and
+    finish reason are plain decoding's."""
+    plain = llm.generate([QUOTE], GREEDY, use_tqdm=False)[0].outputs[0]
+    words = plain.text.split()
+    stop = " ".join(words[5:7])  # a stop string in the middle of a run of accepted drafts
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    a = llm.generate([QUOTE], sp, use_tqdm=False)[0].outputs[0]
+    before = spec_llm.engine.spec_stats.accepted
+    b = spec_llm.generate([QUOTE], sp, use_tqdm=False)[0].outputs[0]
+    assert spec_llm.engine.spec_stats.accepted > before
+    assert (b.text, list(b.token_ids), b.finish_reason, b.stop_reason) == (a.text, list(a.token_ids), "stop", stop)
