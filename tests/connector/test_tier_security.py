@@ -188,6 +188,24 @@ def test_sealed_disk_tier_hides_payloads_and_binds_keys(tmp_path):
     assert DiskTier(tmp_path, 1 << 20).get(K2) is None  # nor is a sealed frame without the key
 
 
+def test_sealed_frames_of_the_same_block_differ_on_every_write(tmp_path):
+    """AES-GCM must never reuse a nonce under one key: two writes of the same block (same key,
+    same bytes) give different frames, both of which decrypt."""
+    codec = SealedCodec(KEY_A)
+    frames = [codec.encode(K1, SECRET) for _ in range(8)]
+    assert len(set(frames)) == len(frames)
+    nonces = {f[5:17] for f in frames}  # after the 5-byte magic
+    assert len(nonces) == len(frames)
+    assert all(codec.decode(K1, f) == SECRET for f in frames)
+    disk = DiskTier(tmp_path, 1 << 20, codec)  # and through a tier: a rewrite is a new frame
+    assert disk.put(K1, SECRET)
+    first = disk_file(disk, K1).read_bytes()
+    disk_file(disk, K1).unlink()
+    disk = DiskTier(tmp_path, 1 << 20, codec)  # reopened: the block is gone and is written again
+    assert disk.put(K1, SECRET)
+    assert disk_file(disk, K1).read_bytes() != first and disk.get(K1) == SECRET
+
+
 def test_sealed_redis_tier_hides_payloads_and_binds_keys(redis_server, rclient):
     remote = RedisTier(redis_server.url, codec=SealedCodec(KEY_A))
     assert remote.put(K1, SECRET) and remote.put(K2, OTHER)

@@ -88,6 +88,25 @@ def test_body_over_the_limit_is_413_naming_the_option(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_of_exactly_the_limit_is_accepted_and_one_byte_more_is_not(server, chunked):
+    """The limit is inclusive: ``--max-request-bytes`` bytes are parsed (here a prompt too long for
+    the context: 400), one more byte is 413, with a Content-Length and chunked."""
+    def body(size: int) -> bytes:
+        head = b'{"max_tokens": 1, "prompt": "'
+        return head + b"a" * (size - len(head) - 2) + b'"}'
+
+    for size, status in ((MAX_BYTES, 400), (MAX_BYTES + 1, 413)):
+        payload = body(size)
+        assert len(payload) == size
+        content = (payload[i:i + 65536] for i in range(0, size, 65536)) if chunked else payload
+        r = httpx.post(f"{server.url}/v1/completions", content=content, timeout=60,
+                       headers={**AUTH, "content-type": "application/json"})
+        assert r.status_code == status, (size, r.status_code, r.text[:300])
+        if status == 400:
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_prompt_that_cannot_fit_is_refused_without_tokenizing(server):
     text = "lorem ipsum " * 150_000  # 1.8 MB: too many bytes for MAX_LEN tokens of any kind
     err = error_of(post(server, "/v1/completions", {"prompt": text, "max_tokens": 1}), 400)
