@@ -262,7 +262,7 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         with state.tokenizing(body.n):
             ids = await state.tokenizers.run(lambda tok: chat_prompt_ids(tok, messages))
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
-                      "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+                      "max_completion_tokens" if body.max_completion_tokens else "max_tokens", "messages")
         top_n = body.top_logprobs or 0
         params = body.sampling_params(body.effective_max_tokens(), body.effective_logprobs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -429,13 +429,19 @@ async def _pretokenize(state: ServerState, prompts: list) -> list:
     return out
 
 
-def _check_length(state: ServerState, prompt, max_tokens: int | None, param: str) -> None:
-    """Prompt plus ``max_tokens`` must fit the context (OpenAI and vLLM refuse, never clamp). A
-    prompt alone too long is the engine's error (naming ``prompt``)."""
-    if max_tokens is None or not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+def _check_length(state: ServerState, prompt, max_tokens: int | None, param: str,
+                  prompt_param: str = "prompt") -> None:
+    """Prompt plus ``max_tokens`` must fit the context (OpenAI and vLLM refuse, never clamp); a
+    prompt alone that leaves no room for output is the prompt's error (``prompt_param``), as
+    text, token ids or chat alike. Both are ``context_length_exceeded``."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt if isinstance(prompt, list) else None
+    if ids is None:
         return
-    n, limit = len(prompt["prompt_token_ids"]), state.max_model_len
-    if n < limit < n + max_tokens:
+    n, limit = len(ids), state.max_model_len
+    if n >= limit:
+        raise APIError(400, f"{prompt_param} is {n} tokens; max_model_len is {limit}, which leaves no room for "
+                            f"output", param=prompt_param, code="context_length_exceeded")
+    if max_tokens is not None and limit < n + max_tokens:
         raise APIError(400, f"{param} is too large: the prompt is {n} tokens and {param} is {max_tokens}, "
                             f"{n + max_tokens} in all, past this model's maximum context length of {limit} "
                             f"tokens; ask for at most {limit - n}", param=param, code="context_length_exceeded")

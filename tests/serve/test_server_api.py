@@ -170,8 +170,16 @@ def test_max_tokens_past_the_context_is_a_400(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10_000)
     assert e.value.param == "max_completion_tokens"
-    # a prompt alone past the context is still the prompt's error
-    assert_error(post(server, "/v1/completions", {"prompt": "word " * 700, "max_tokens": 10_000}), 400, "prompt")
+    # a prompt alone past the context is the prompt's error, context_length_exceeded in every form
+    assert_error(post(server, "/v1/completions", {"prompt": "word " * 700, "max_tokens": 10_000}), 400, "prompt",
+                 "context_length_exceeded")
+    assert_error(post(server, "/v1/completions", {"prompt": [7] * MAX_LEN, "max_tokens": 1}), 400, "prompt",
+                 "context_length_exceeded")
+    assert_error(post(server, "/v1/completions", {"prompt": [[5, 6], [7] * (MAX_LEN + 3)]}), 400, "prompt",
+                 "context_length_exceeded")
+    long_chat = [{"role": "user", "content": "word " * 700}]
+    assert_error(post(server, "/v1/chat/completions", {"messages": long_chat}), 400, "messages",
+                 "context_length_exceeded")
 
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}),
