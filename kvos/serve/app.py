@@ -366,9 +366,20 @@ def _admit(state: ServerState, model: str | None, num_seqs: int, param: str) -> 
 
 def _messages(messages) -> list[dict]:
     """The messages as the chat template takes them (a ``name`` is passed on; most templates
-    ignore it)."""
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-            for m in messages]
+    ignore it). Text that is not valid Unicode (a lone UTF-16 surrogate, which JSON can carry) is
+    a 400 naming the message's field, before any tokenizer sees it."""
+    out = []
+    for i, m in enumerate(messages):
+        msg = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+        for key in ("content", "name"):
+            if isinstance(msg.get(key), str):
+                try:
+                    msg[key].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError(400, f"messages.{i}.{key} is not valid Unicode (it holds a lone UTF-16 "
+                                        f"surrogate)", param=f"messages.{i}.{key}") from None
+        out.append(msg)
+    return out
 
 
 def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:

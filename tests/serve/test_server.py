@@ -140,6 +140,12 @@ def test_lone_surrogates_are_a_clean_400(server):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
     assert "engine step failed" not in server.output()
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi \ud800 there"}], "max_tokens": 2}).encode()
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, content=body,
+                   headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"].startswith("messages"), r.text
+    assert not any(w in err["message"] for w in ("Error", "Exception", "codec", "Traceback")), err
 
 
 def test_load_with_disconnects_frees_every_block(server):
