@@ -99,7 +99,7 @@ def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp:
         head = prompt_text(o, lp.tok) if echo else ""
         for c in o.outputs:
             choice = {"index": i * n + c.index, "text": head + c.text, "logprobs": lp.completion(c, 0, len(head)),
-                      "finish_reason": finish_reason(c)}
+                      "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
             if o.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = lp.prompt(o.prompt_logprobs)
             if token_ids:
@@ -112,7 +112,7 @@ def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp:
 def chat_body(rid: str, model: str, out: RequestOutput, lp: LogprobFormatter, top_n: int,
               fingerprint: str, token_ids: bool = False) -> dict:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": lp.chat(c, 0, top_n), "finish_reason": finish_reason(c),
+                "logprobs": lp.chat(c, 0, top_n), "finish_reason": finish_reason(c), "stop_reason": c.stop_reason,
                 **({"prompt_token_ids": out.prompt_token_ids, "token_ids": list(c.token_ids)} if token_ids else {})}
                for c in out.outputs]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,

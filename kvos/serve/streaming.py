@@ -127,7 +127,8 @@ async def completion_chunks(state: ServerState, rid: str, streams: list[RequestS
                 if first and echo:
                     delta = head + delta
                 choice = {"index": i * n + c.index, "text": delta,
-                          "logprobs": state.logprobs.completion(c, k0, len(head) + t0), "finish_reason": reason}
+                          "logprobs": state.logprobs.completion(c, k0, len(head) + t0), "finish_reason": reason,
+                          "stop_reason": c.stop_reason if reason is not None else None}
                 if first and out.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = state.logprobs.prompt(out.prompt_logprobs)
                 if token_ids:
@@ -179,7 +180,8 @@ async def chat_chunks(state: ServerState, rid: str, stream: RequestStream, mode:
                 if reason is not None:
                     finished.add(c.index)
                     yield sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
-                                                    "finish_reason": reason}], **mode.field([out])})
+                                                    "finish_reason": reason, "stop_reason": c.stop_reason}],
+                               **mode.field([out])})
         if mode.final and stream.last is not None:
             yield sse({**base, "choices": [], "usage": usage([stream.last])})
         yield sse("[DONE]")

@@ -67,6 +67,17 @@ def test_logit_bias_and_stop_token_ids(server, client, base):
     stop = ids[1]
     r = complete(client, stop_token_ids=[stop])
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ids.index(stop) + 1
+    assert r.choices[0].stop_reason == stop and base.choices[0].stop_reason is None  # vLLM's field
+    word = base.choices[0].text.split()[1]
+    s = complete(client, stop=[word])
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].stop_reason == word
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                          extra_body={"stop_token_ids": [ids[0]], "min_tokens": 0})
+    assert chat.choices[0].stop_reason in (None, ids[0])
+    streamed = [c for c in client.completions.create(model=MODEL, prompt=REPEAT, max_tokens=8, temperature=0,
+                                                     stop=[word], stream=True)]
+    assert streamed[-1].choices[0].finish_reason == "stop" and streamed[-1].choices[0].stop_reason == word
+    assert all(c.choices[0].stop_reason is None for c in streamed[:-1])
     far = complete(client, min_tokens=2, stop_token_ids=[10**7], max_tokens=3)  # an id past the vocabulary
     assert far.choices[0].text == base.choices[0].text[: len(far.choices[0].text)]
     err = pytest.raises(openai.BadRequestError, complete, client, logit_bias={str(10**7): 5})
