@@ -241,17 +241,19 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         for p in prompts:
             _check_length(state, p, body.max_tokens, "max_tokens")
         params = body.sampling_params(body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs come first
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, prompts, params, rid, body.priority, _salt(request, body.cache_salt),
                                     bool(body.stream))
         with_ids = _returns_token_ids(state, body)
         if body.stream:
             return sse_response(completion_chunks(state, rid, streams, params.n, UsageMode(body), body.echo,
-                                                  with_ids))
+                                                  with_ids, body.prompt_logprobs is not None))
         outs = await _collect(state, request, streams)
         observe_finished(state, streams)
         return completion_body(rid, state.model_name, outs, params.n, state.logprobs, state.fingerprint,
-                               body.echo, with_ids)
+                               body.echo, with_ids, body.prompt_logprobs is not None)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -55,6 +55,24 @@ class LogprobFormatter:
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def echoed(self, prompt_ids: list[int], entries: list[dict[int, float] | None] | None,
+               rest: dict | None) -> dict | None:
+        """``echo`` with ``logprobs``: the prompt's tokens first (the first one's logprob null,
+        as OpenAI and vLLM give it), then ``rest`` (the completion's, whose offsets already
+        count the echoed text). None when no logprobs were asked."""
+        if rest is None or entries is None:
+            return rest
+        tokens, lps, tops, offsets, offset = [], [], [], [], 0
+        for tid, entry in zip(prompt_ids, entries):
+            s = self.text(tid)
+            tokens.append(s)
+            lps.append(None if entry is None else entry[tid])
+            tops.append(None if entry is None else {self.text(t): lp for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens + rest["tokens"], "token_logprobs": lps + rest["token_logprobs"],
+                "top_logprobs": tops + rest["top_logprobs"], "text_offset": offsets + rest["text_offset"]}
+
     def prompt(self, entries: list[dict[int, float] | None]) -> list[dict | None]:
         """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id (a JSON
         string): {"logprob", "rank", "decoded_token"}}, the prompt token first, then the top-k.
@@ -90,7 +108,8 @@ def prompt_text(out: RequestOutput, tokenizer) -> str:
 
 
 def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp: LogprobFormatter,
-                    fingerprint: str, echo: bool = False, token_ids: bool = False) -> dict:
+                    fingerprint: str, echo: bool = False, token_ids: bool = False,
+                    prompt_logprobs: bool = True) -> dict:
     """``echo``: each choice's text starts with its prompt's; prompt logprobs (vLLM's
     ``prompt_logprobs``) come as a list on each choice; ``token_ids``: so do the prompt's and the
     completion's token ids (vLLM's ``return_token_ids``)."""
@@ -98,9 +117,12 @@ def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp:
     for i, o in enumerate(outs):
         head = prompt_text(o, lp.tok) if echo else ""
         for c in o.outputs:
-            choice = {"index": i * n + c.index, "text": head + c.text, "logprobs": lp.completion(c, 0, len(head)),
+            logprobs = lp.completion(c, 0, len(head))
+            if echo:
+                logprobs = lp.echoed(o.prompt_token_ids, o.prompt_logprobs, logprobs)
+            choice = {"index": i * n + c.index, "text": head + c.text, "logprobs": logprobs,
                       "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
-            if o.prompt_logprobs is not None:
+            if o.prompt_logprobs is not None and prompt_logprobs:
                 choice["prompt_logprobs"] = lp.prompt(o.prompt_logprobs)
             if token_ids:
                 choice.update(prompt_token_ids=o.prompt_token_ids, token_ids=list(c.token_ids))

@@ -98,9 +98,11 @@ class UsageMode:
 
 
 async def completion_chunks(state: ServerState, rid: str, streams: list[RequestStream], n: int,
-                             mode: UsageMode, echo: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
-    """With ``echo`` a choice's first chunk starts with the prompt's text; with prompt logprobs
-    it carries them (vLLM). With ``token_ids`` every new token makes a chunk (text or not)."""
+                             mode: UsageMode, echo: bool = False, token_ids: bool = False,
+                             prompt_logprobs: bool = True) -> AsyncIterator[str]:
+    """With ``echo`` a choice's first chunk starts with the prompt's text (and, with
+    ``logprobs``, its tokens' logprobs first); with ``prompt_logprobs`` it carries vLLM's prompt
+    logprobs. With ``token_ids`` every new token makes a chunk (text or not)."""
     created, model = int(time.time()), state.model_name
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": state.fingerprint}
@@ -126,10 +128,12 @@ async def completion_chunks(state: ServerState, rid: str, streams: list[RequestS
                 head = prompt_text(out, state.tokenizer) if echo else ""
                 if first and echo:
                     delta = head + delta
-                choice = {"index": i * n + c.index, "text": delta,
-                          "logprobs": state.logprobs.completion(c, k0, len(head) + t0), "finish_reason": reason,
+                logprobs = state.logprobs.completion(c, k0, len(head) + t0)
+                if first and echo:
+                    logprobs = state.logprobs.echoed(out.prompt_token_ids, out.prompt_logprobs, logprobs)
+                choice = {"index": i * n + c.index, "text": delta, "logprobs": logprobs, "finish_reason": reason,
                           "stop_reason": c.stop_reason if reason is not None else None}
-                if first and out.prompt_logprobs is not None:
+                if first and out.prompt_logprobs is not None and prompt_logprobs:
                     choice["prompt_logprobs"] = state.logprobs.prompt(out.prompt_logprobs)
                 if token_ids:
                     choice["token_ids"] = c.token_ids[k0:]

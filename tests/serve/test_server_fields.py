@@ -115,6 +115,30 @@ def test_echo_and_prompt_logprobs(client):
     assert len(sent[0]) == r.usage.prompt_tokens and all(x is None for x in sent[1:])
 
 
+def test_echo_with_logprobs_gives_the_prompt_tokens_first(client):
+    """OpenAI's and vLLM's legacy shape: with ``echo`` and ``logprobs`` the logprobs cover the
+    prompt's tokens (the first one's null) and then the completion's; the prompt part agrees with
+    ``prompt_logprobs`` and the completion part with the same request without ``echo``."""
+    prompt = "The capital of France is"
+    plain = complete(client, prompt=prompt, max_tokens=3, logprobs=2)
+    ref = complete(client, prompt=prompt, max_tokens=1, prompt_logprobs=2).choices[0].model_extra["prompt_logprobs"]
+    r = complete(client, prompt=prompt, max_tokens=3, logprobs=2, echo=True)
+    lp, n = r.choices[0].logprobs, r.usage.prompt_tokens
+    assert "prompt_logprobs" not in (r.choices[0].model_extra or {})
+    assert len(lp.tokens) == n + r.usage.completion_tokens and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    for j in range(1, n):  # each prompt_logprobs entry lists the prompt's own token first
+        own = next(iter(ref[j].values()))
+        assert own["decoded_token"] == lp.tokens[j] and abs(lp.token_logprobs[j] - own["logprob"]) < 1e-4
+    assert lp.tokens[n:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert lp.text_offset[n] == len(prompt) and lp.text_offset == sorted(lp.text_offset)
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                                   logprobs=2, echo=True, stream=True) if c.choices]
+    first = chunks[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None and first.tokens[:n] == lp.tokens[:n]
+
+
 def test_response_format_names_and_tools(client):
     ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi", "name": "ann"},
                                                                *CHAT], max_tokens=3, temperature=0,
