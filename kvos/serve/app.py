@@ -10,9 +10,11 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 import kvos
 from kvos.cache.pins import PinInfo
@@ -278,6 +280,28 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint, with_ids)
 
     app.include_router(v1)
+
+    @app.post("/invocations", dependencies=auth)
+    async def invocations(request: Request):
+        """SageMaker's (and vLLM's) single endpoint: a body with ``messages`` is a chat
+        completion, one with ``prompt`` a completion; the same validation, errors and answers."""
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise APIError(400, "invalid JSON body", code="invalid_json") from None
+        kind = (ChatCompletionRequest if isinstance(data, dict) and "messages" in data
+                else CompletionRequest if isinstance(data, dict) and "prompt" in data else None)
+        if kind is None:
+            raise APIError(400, "messages: /invocations needs 'messages' (a chat completion) or 'prompt' "
+                                "(a completion)", param="messages")
+        try:
+            body = kind.model_validate_json(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        handler = chat_completions if kind is ChatCompletionRequest else completions
+        return await handler(body, request)
+
     return app
 
 

@@ -321,3 +321,20 @@ def test_disconnect_of_a_non_streaming_request_is_quiet_and_frees_blocks(server)
     assert len(lines) == 1 and " INFO " in lines[0] and "gone-1" in lines[0], log
     r = post(server, "/v1/completions", {"prompt": "Still there?", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_invocations_routes_chat_and_completion_bodies(server):
+    """``/invocations`` (SageMaker's, vLLM's): the same answers as the two endpoints, the same
+    400s naming the field."""
+    chat = {"messages": CHAT, "max_tokens": 4, "temperature": 0}
+    a, b = post(server, "/invocations", chat), post(server, "/v1/chat/completions", chat)
+    assert a.status_code == b.status_code == 200, a.text
+    assert a.json()["object"] == "chat.completion"
+    assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+    comp = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    a, b = post(server, "/invocations", comp), post(server, "/v1/completions", comp)
+    assert a.json()["object"] == "text_completion" and a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    assert_error(post(server, "/invocations", {"max_tokens": 3}), 400, "messages")
+    assert_error(post(server, "/invocations", {"prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
+    assert_error(post(server, "/invocations", {"messages": CHAT, "frobnicate": 1}), 400, "frobnicate")
+    assert_error(post(server, "/invocations", b"{not json"), 400, None, "invalid_json")
