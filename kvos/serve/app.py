@@ -155,18 +155,25 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: TokenizeRequest):
-        """vLLM's ``/tokenize``: the ids a prompt (or a chat) becomes, and the context length."""
-        _check_model(state, body.model)
-        state.require_tokenizer("messages" if body.messages is not None else "prompt")
+        """vLLM's ``/tokenize``: the ids a prompt (or a chat) becomes, and the context length.
+        Bounded as generation is: text that cannot fit the context by its size alone is a 400
+        before any tokenizing, and work being tokenized counts against ``--max-waiting-requests``."""
+        param = "messages" if body.messages is not None else "prompt"
+        _admit(state, body.model, 1, param)
+        state.require_tokenizer(param)
         if body.messages is not None:
             messages = _messages(body.messages)
-            ids = await state.tokenizers.run(lambda tok: _chat_ids(tok, messages, body.add_generation_prompt,
-                                                                   bool(body.add_special_tokens)))
+            state.check_fits(_user_text(messages), "messages")
+            with state.tokenizing(1):
+                ids = await state.tokenizers.run(lambda tok: _chat_ids(tok, messages, body.add_generation_prompt,
+                                                                       bool(body.add_special_tokens)))
         else:
             special = body.add_special_tokens is not False
+            state.check_fits(body.prompt, "prompt")
             try:
-                ids = await state.tokenizers.run(lambda tok: list(tok(body.prompt, add_special_tokens=special)
-                                                                  .input_ids))
+                with state.tokenizing(1):
+                    ids = await state.tokenizers.run(lambda tok: list(tok(body.prompt, add_special_tokens=special)
+                                                                      .input_ids))
             except Exception as e:  # e.g. lone surrogates
                 raise APIError(400, f"prompt cannot be tokenized ({type(e).__name__})", param="prompt") from e
         # a long prompt's answer is large: build it on the worker too, not on the event loop
