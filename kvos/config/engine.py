@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 
 from kvos.cache.eviction import EVICTION_POLICIES, online_policies
 from kvos.cache.tiers.hierarchy import WRITE_POLICIES
+from kvos.config.generation import GENERATION_CONFIGS, parse_override
 from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
 from kvos.scheduler.scheduler import SchedulerConfig
 from kvos.spec.config import SpeculativeConfig
@@ -134,6 +135,14 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
     async_scheduling: bool | None = field(default=None, metadata={
         "help": "schedule and queue step N+1 while step N runs (default: on for a CUDA device)"})
+    generation_config: str = field(default="auto", metadata={
+        "choices": GENERATION_CONFIGS,
+        "help": "request sampling defaults: auto takes the model's recommended temperature/top-p/top-k/min-p/"
+                "repetition penalty (a folder's generation_config.json, or kvos's table for GGUF files); kvos "
+                "leaves them at temperature 1, top-p 1"})
+    override_generation_config: dict | str | None = field(default=None, metadata={
+        "type": str, "metavar": "JSON",
+        "help": "request sampling defaults that win over the model's, e.g. '{\"temperature\": 0.7}'"})
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
         "type": str, "metavar": "JSON",
         "help": "speculative decoding, vLLM's shape: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -167,6 +176,10 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
+        if self.override_generation_config is not None:
+            self.override_generation_config = parse_override(self.override_generation_config)
         if self.tier_encryption_key_file is not None:
             from kvos.cache.tiers.codec import load_key_file
 

@@ -129,7 +129,8 @@ class DataParallelEngine:
         self.tokenizer = self.engines.call_sync(0, "tokenizer")
         self.max_model_len = self.info.max_model_len
         self.model_id = self.info.model_id
-        self.model_facts = ModelFacts(self.model_id, self.max_model_len, self.info.vocab_size)
+        self.model_facts = ModelFacts(self.model_id, self.max_model_len, self.info.vocab_size,
+                                      default_sampling=dict(self.info.default_sampling))
         self.block_size = self.info.block_size
         self.router_name = router
         self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]

@@ -31,6 +31,7 @@ class EngineInfo:
     max_model_len: int
     pid: int
     vocab_size: int
+    default_sampling: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -94,7 +95,7 @@ class EngineWorker:
     def info(self) -> EngineInfo:
         e = self.engine
         return EngineInfo(self.engine_id, e.kv.model_id, e.kv.block_size, e.max_model_len, os.getpid(),
-                          e.model_config.vocab_size)
+                          e.model_config.vocab_size, dict(e.default_sampling))
 
     def tokenizer(self):
         return self.engine.tokenizer

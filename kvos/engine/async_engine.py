@@ -48,7 +48,7 @@ class AsyncEngine:
         config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_facts = ModelFacts(engine.kv.model_id, engine.max_model_len, engine.model_config.vocab_size,
-                                      config.dtype, config.device)
+                                      config.dtype, config.device, dict(engine.default_sampling))
 
     def start(self) -> None:
         self._thread.start()

@@ -50,6 +50,8 @@ class ModelFacts:
     """The weight dtype as configured (None: the engine's default, or not known to the client)."""
     device: str | None = None
     """The device as configured (None: not known to the client)."""
+    default_sampling: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
+    """Sampling values for the fields a request leaves unset (``LLMEngine.default_sampling``)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from kvos.core.sampling_params import SamplingParams
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.gc_tuning import relax_gc_thresholds
 from kvos.models.fingerprint import model_fingerprint
+from kvos.models.generation_defaults import model_sampling_defaults
 from kvos.models.loader import (
     load_tokenizer,
     load_tokenizer_for_config,
@@ -195,6 +196,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction) if config.enable_prefix_caching else None
         self._pending_pins: dict[str, _PendingPin] = {}  # compute request id -> pin to take
+        self.default_sampling: dict[str, float] = {
+            **({} if config.generation_config == "kvos" else model_sampling_defaults(path)),
+            **(config.override_generation_config or {})}
+        """Sampling values for the fields a server request leaves unset (``generation_config``)."""
         self.speculative = config.speculative_config
         """How the engine speculates (None: it does not); see ``kvos.spec``."""
         self.proposer = (NgramProposer(self.speculative.num_speculative_tokens, self.speculative.prompt_lookup_min,

@@ -249,7 +249,7 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
             prompts = await _pretokenize(state, body.prompts())
         for p in prompts:
             _check_length(state, p, body.max_tokens, "max_tokens")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, state.default_sampling)
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs come first
             params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -275,7 +275,7 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens", "messages")
         top_n = body.top_logprobs or 0
-        params = body.sampling_params(body.effective_max_tokens(), body.effective_logprobs())
+        params = body.sampling_params(body.effective_max_tokens(), body.effective_logprobs(), state.default_sampling)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, [{"prompt_token_ids": ids}], params, rid, body.priority,
                                     _salt(request, body.cache_salt), bool(body.stream))

@@ -107,14 +107,21 @@ class _Common(BaseModel):
     def engine_seed(self) -> int | None:
         return None if self.seed is None else self.seed % SEED_DOMAIN
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """``defaults`` (the model's, ``generation_config``) fill the sampling fields left unset."""
+        d = defaults or {}
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else d.get(name, fallback)
+
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.engine_seed(),
+            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0), seed=self.engine_seed(),
             max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, speculative=self.speculative)
 
@@ -129,8 +136,9 @@ class CompletionRequest(_Common):
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs)
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, defaults)
         params.prompt_logprobs = self.prompt_logprobs
         return params
 

@@ -50,6 +50,7 @@ class ServerState:
         facts = engine.model_facts
         self.max_model_len: int = facts.max_model_len
         self.vocab_size: int = facts.vocab_size
+        self.default_sampling: dict = dict(facts.default_sampling)
         self.fingerprint = system_fingerprint(kvos.__version__, facts.model_id, facts.dtype, facts.device)
 
     def require_tokenizer(self, param: str) -> None:

@@ -166,3 +166,19 @@ def test_return_token_ids(server, client, base):
                                                                  "return_token_ids": True}, timeout=60).json()
     assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
     assert "token_ids" not in (complete(client).choices[0].model_extra or {})  # off by default
+
+
+def test_unset_sampling_fields_take_the_model_s_recommended_values(client, llm):
+    """The default model recommends temperature 0.2 and top_p 0.9 (its release's values): a
+    seeded request that sets neither samples exactly as those values do in process; a field the
+    request sets wins."""
+    from kvos import SamplingParams
+
+    prompt = "Name three colors."
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=11)
+    ref = llm.generate([prompt], SamplingParams(temperature=0.2, top_p=0.9, seed=11, max_tokens=16),
+                       use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].text == ref.text
+    hot = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=11, temperature=1.0, top_p=1.0)
+    ref_hot = llm.generate([prompt], SamplingParams(temperature=1.0, seed=11, max_tokens=16), use_tqdm=False)[0]
+    assert hot.choices[0].text == ref_hot.outputs[0].text

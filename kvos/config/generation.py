@@ -1,0 +1,35 @@
+"""Request sampling defaults: which keys a generation config may set, and the operator's override."""
+from __future__ import annotations
+
+import json
+
+from kvos.core.sampling_params import SamplingParams
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The generation-config keys that become request defaults (HF's names, kvos's fields)."""
+
+GENERATION_CONFIGS = ("auto", "kvos")
+"""auto: the model's recommended values (``kvos.models.generation_defaults``); kvos: none (a request's
+unset fields take ``SamplingParams``' defaults)."""
+
+
+def parse_override(value: dict | str | None) -> dict[str, float]:
+    """``override_generation_config``: a dict or its JSON, keys from ``SAMPLING_KEYS``, values a
+    ``SamplingParams`` accepts; ``ValueError`` naming the key otherwise."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("override_generation_config must be a JSON object")
+    for k in value:
+        if k not in SAMPLING_KEYS:
+            raise ValueError(f"override_generation_config has unknown key {k!r}; known: {list(SAMPLING_KEYS)}")
+    try:
+        SamplingParams(**value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"override_generation_config.{e}") from None
+    return dict(value)
