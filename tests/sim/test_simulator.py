@@ -87,7 +87,7 @@ def test_lru_below_belady_and_both_rise_with_size(conversation):
     """Plain LRU stays under the optimum; the lookahead lifts LRU toward it, never past it."""
     trace = conversation[:600]
     rates = {(p, la): [simulate(trace, block_size=512, num_blocks=n, eviction_policy=p, max_num_seqs=64,
-                                eviction_lookahead=la)["token_hit_rate"] for n in (2000, 4000, 8000)]
+                                eviction_lookahead=la)["token_hit_rate"] for n in (2000, 8000)]
              for p, la in (("lru", 0), ("lru", 256), ("belady", 0))}
     for p, rs in rates.items():
         assert rs == sorted(rs) and rs[0] < rs[-1], (p, rs)
