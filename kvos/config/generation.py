@@ -1,8 +1,7 @@
 """Request sampling defaults: which keys a generation config may set, and the operator's override."""
 from __future__ import annotations
 
-import json
-
+from kvos.core.json_object import json_object
 from kvos.core.sampling_params import SamplingParams
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -18,13 +17,7 @@ def parse_override(value: dict | str | None) -> dict[str, float]:
     ``SamplingParams`` accepts; ``ValueError`` naming the key otherwise."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("override_generation_config must be a JSON object")
+    value = json_object(value, "override_generation_config")
     for k in value:
         if k not in SAMPLING_KEYS:
             raise ValueError(f"override_generation_config has unknown key {k!r}; known: {list(SAMPLING_KEYS)}")

@@ -1,8 +1,9 @@
 """``SpeculativeConfig``: how an engine speculates, parsed from vLLM's dict shape."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from kvos.core.json_object import json_object
 
 METHODS = ("ngram",)
 """Proposers built so far."""
@@ -43,13 +44,7 @@ class SpeculativeConfig:
         the key. One of ``prompt_lookup_min``/``max`` alone sets both (as vLLM does)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
