@@ -257,7 +257,6 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0 or (req.num_pending and req.length_reached_with_pending()):
-                req.draft_token_ids = []
                 i += 1
                 continue
             drafts = self._take_drafts(req, num_new, budget)
@@ -334,7 +333,8 @@ class Scheduler:
                 budget -= num_new
 
         for req in self.running:  # drafts are for this step only (unscheduled ones are dropped)
-            req.draft_token_ids = []
+            if req.draft_token_ids:
+                req.draft_token_ids = []
         seqs = list(scheduled.values())
         for s in seqs:
             self._fork_if_needed(s)
@@ -436,8 +436,11 @@ class Scheduler:
         decodes one known token, cut to the budget left after that token and to one fewer than
         the tokens ``max_tokens`` and ``max_model_len`` still allow (the verify step yields one
         more than it accepts)."""
-        drafts, req.draft_token_ids = req.draft_token_ids, []
-        if not drafts or num_new != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1:
+        drafts = req.draft_token_ids
+        if not drafts:
+            return drafts  # the common case (no speculation): no allocation on the hot path
+        req.draft_token_ids = []
+        if num_new != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1:
             return []
         room = min(budget - 1, req.max_model_len - req.num_tokens - 1)
         max_tokens = req.sampling_params.max_tokens
