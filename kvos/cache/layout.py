@@ -24,10 +24,12 @@ LAYOUTS = ("unified", "equal_pages", "homogeneous")
 @dataclass(frozen=True)
 class CacheGroup:
     """Layers ``layers`` share one block table per request; slot i of a page holds
-    ``layers[i]`` (slots past ``len(layers)`` are padding)."""
+    ``layers[i]`` (slots past ``len(layers)`` are padding). ``role`` says whose layers they
+    are: the served model's, or a speculative draft model's (numbered after the target's)."""
 
     spec: KVCacheSpec
     layers: tuple[int, ...]
+    role: str = "model"
 
     @property
     def padding_layers(self) -> int:
@@ -75,15 +77,19 @@ class CacheLayout:
         """KV bytes a request of ``num_tokens`` tokens really needs, whatever the layout: every
         token in full-attention layers, the ``window - 1`` that its next token reads in sliding
         layers. The floor that waste is measured against."""
-        per_layer = self.groups[0].spec.bytes_per_token // self.groups[0].spec.num_layers
-        return sum(per_layer * (num_tokens if w is None else min(num_tokens, w - 1)) for w in self.layer_windows)
+        total = 0
+        for g in self.groups:
+            per_layer = g.spec.bytes_per_token // g.spec.num_layers
+            total += sum(per_layer * (num_tokens if w is None else min(num_tokens, w - 1))
+                         for w in (self.layer_windows[layer] for layer in g.layers))
+        return total
 
     def num_pages_for_memory(self, memory_bytes: int) -> int:
         """Large pages that fit in ``memory_bytes`` (the null page included)."""
         return memory_bytes // self.large_page_bytes
 
     def describe(self) -> list[dict]:
-        return [{"kind": g.spec.kind, "window": getattr(g.spec, "window", None), "layers": list(g.layers),
+        return [{"kind": g.spec.kind, "role": g.role, "window": getattr(g.spec, "window", None), "layers": list(g.layers),
                  "padding_layers": g.padding_layers, "page_bytes": g.spec.page_bytes,
                  "bytes_per_token": g.spec.bytes_per_token,
                  "blocks_per_large_page": self.blocks_per_large_page(i)} for i, g in enumerate(self.groups)]
@@ -127,3 +133,14 @@ def single_group_layout(spec: KVCacheSpec) -> CacheLayout:
     window = getattr(spec, "window", None)
     return CacheLayout((CacheGroup(spec, tuple(range(spec.num_layers))),), "unified",
                        tuple([window] * spec.num_layers))
+
+
+def with_draft_group(layout: CacheLayout, num_layers: int, num_kv_heads: int, head_dim: int,
+                     dtype: str) -> CacheLayout:
+    """``layout`` plus one full-attention group for a speculative draft model's ``num_layers``
+    layers (numbered after the target's), in the same pool: its own page size, blocks and prefix
+    index, allocated, cached, swapped and freed with its request's other groups."""
+    first = len(layout.layer_windows)
+    spec = FullAttentionSpec(layout.block_size, num_layers, num_kv_heads, head_dim, dtype)
+    group = CacheGroup(spec, tuple(range(first, first + num_layers)), role="draft")
+    return CacheLayout((*layout.groups, group), layout.mode, (*layout.layer_windows, *([None] * num_layers)))

@@ -146,8 +146,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
         "type": str, "metavar": "JSON",
         "help": "speculative decoding, vLLM's shape: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' (plus disable_by_batch_size: no drafts "
-                "above that many sequences); speculative steps run synchronously"})
+                "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}', '{\"method\": \"draft_model\", \"model\": "
+                "PATH, ...}' or '{\"method\": \"self_draft\", \"num_draft_layers\": N, ...}' (plus "
+                "disable_by_batch_size: no drafts above that many sequences); speculative steps run synchronously"})
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)

@@ -9,13 +9,14 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from kvos.cache.block import BlockHash
 from kvos.cache.eviction import online_policies
 from kvos.cache.kv_manager import KVCacheManager
-from kvos.cache.layout import build_layout
+from kvos.cache.layout import build_layout, with_draft_group
 from kvos.cache.pins import Pin, PinInfo, PinnedPrefixes
 from kvos.cache.tiers import TierHierarchy
 from kvos.config import EngineConfig
@@ -31,6 +32,7 @@ from kvos.engine.gc_tuning import relax_gc_thresholds
 from kvos.models.fingerprint import model_fingerprint
 from kvos.models.generation_defaults import model_sampling_defaults
 from kvos.models.loader import (
+    load_model,
     load_tokenizer,
     load_tokenizer_for_config,
     resolve_config_path,
@@ -40,9 +42,11 @@ from kvos.scheduler.connector import KVConnectorScheduler
 from kvos.scheduler.describe import describe_step
 from kvos.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvos.spec.backoff import DraftBackoff
+from kvos.spec.config import SpeculativeConfig
 from kvos.spec.ngram import NgramProposer
 from kvos.spec.stats import SpecStats
 from kvos.worker.device import resolve_device
+from kvos.worker.draft_model import DraftModel
 from kvos.worker.runner import LaunchedStep, ModelRunner, parse_dtype
 
 PromptType = str | list[int] | dict
@@ -130,6 +134,10 @@ class LLMEngine:
         dtype = parse_dtype(config.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
         self.runner = ModelRunner(path, dtype, torch.device(device), random_weights=config.random_weights)
         mc = self.model_config = self.runner.cfg
+        spec = config.speculative_config
+        draft_path = None
+        if spec is not None and spec.uses_model:
+            draft_path = self._set_draft(spec, dtype)
         t_weights = time.perf_counter()
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -137,6 +145,11 @@ class LLMEngine:
         self.kv_cache_dtype = model_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.layout = build_layout(mc.layer_windows(), config.block_size, mc.num_kv_heads, mc.head_dim,
                                    self.kv_cache_dtype, config.kv_layout)
+        draft = self.runner.draft
+        if draft is not None and draft.owns_kv:
+            dc = draft.cfg
+            self.layout = with_draft_group(self.layout, dc.num_layers, dc.num_kv_heads, dc.head_dim,
+                                           self.kv_cache_dtype)
         num_blocks = config.num_blocks or self._num_blocks_for_budget()
         t_profile = time.perf_counter()
         if num_blocks < 2:
@@ -148,6 +161,8 @@ class LLMEngine:
                              f"sender's read_blocks), and this model's layout {config.kv_layout!r} has "
                              f"{len(self.layout.groups)} groups; use kv_layout='homogeneous'")
         model_id = model_fingerprint(path, self.kv_cache_dtype, config.random_weights)
+        if draft_path is not None:  # a tier shared with engines of other drafts must not mix their groups
+            model_id += "|draft=" + model_fingerprint(draft_path, self.kv_cache_dtype, config.random_weights)
         self.kv = KVCacheManager(self.layout, num_blocks, model_id=model_id,
                                  enable_caching=config.enable_prefix_caching, policy=config.eviction_policy)
         self.kv_events = (self.kv.enable_events(f"{socket.gethostname()}:{os.getpid()}") if config.kv_events
@@ -203,12 +218,39 @@ class LLMEngine:
         self.speculative = config.speculative_config
         """How the engine speculates (None: it does not); see ``kvos.spec``."""
         self.proposer = (NgramProposer(self.speculative.num_speculative_tokens, self.speculative.prompt_lookup_min,
-                                       self.speculative.prompt_lookup_max) if self.speculative else None)
+                                       self.speculative.prompt_lookup_max)
+                         if self.speculative is not None and not self.speculative.uses_model else None)
+        """The n-gram proposer (None: no speculation, or drafts from the runner's draft model)."""
         self.spec_stats = SpecStats()
         self._draft_backoff = DraftBackoff()  # per sequence: drafts that were all rejected
         self._probe_backoff = DraftBackoff(16)  # the engine: with async scheduling, probes that found no draft
         self.schedule_hook = None
         """Called with each step's SchedulerOutput before it runs (tests compare the simulator)."""
+
+    def _set_draft(self, spec: SpeculativeConfig, dtype: torch.dtype) -> Path | None:
+        """Give the runner its draft model (``draft_model``: loaded from ``spec.model``, random
+        weights too when the target's are; ``self_draft``: the target's first layers). Returns the
+        draft's own path, if any. ``ValueError`` naming the key when the pair cannot work."""
+        mc = self.runner.cfg
+        if spec.method == "self_draft":
+            if spec.num_draft_layers >= mc.num_layers:
+                raise ValueError(f"speculative_config.num_draft_layers ({spec.num_draft_layers}) must be fewer "
+                                 f"than the model's {mc.num_layers} layers")
+            self.runner.set_draft(DraftModel(self.runner.model, mc, spec.num_draft_layers, owns_kv=False))
+            return None
+        try:
+            path = (resolve_config_path(spec.model) if self.config.random_weights
+                    else resolve_model_path(spec.model))
+        except ValueError as e:
+            raise ValueError(f"speculative_config.{e}") from None
+        dcfg, model = load_model(path, dtype, self.runner.device, self.config.random_weights)
+        if dcfg.vocab_size != mc.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary has {dcfg.vocab_size} tokens, "
+                             f"the target's {mc.vocab_size}; a draft must share the target's tokenizer")
+        if any(w is not None for w in dcfg.layer_windows()):
+            raise ValueError("speculative_config.model: a draft with sliding-window layers is not supported")
+        self.runner.set_draft(DraftModel(model, dcfg, None, owns_kv=True))
+        return path
 
     def _num_blocks_for_budget(self) -> int:
         budget = self.config.kv_cache_memory_bytes
@@ -288,9 +330,8 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         for seq in ureq.seqs.values():
             self._user_request_of.pop(seq.request_id, None)
-            if self.proposer is not None:
-                self.proposer.drop(seq.request_id)
-                self._draft_backoff.drop(seq.request_id)
+            if self.speculative is not None:
+                self._drop_drafter_state(seq.request_id)
 
     def request_ids(self) -> list[str]:
         """Ids of the requests not finished yet."""
@@ -365,19 +406,30 @@ class LLMEngine:
         self.spec_stats.skipped_for_load += 1
         return False
 
+    def _drop_drafter_state(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.drop(request_id)
+        self._draft_backoff.drop(request_id)
+
     def _propose(self) -> bool:
         """Draft tokens for every running sequence that decodes one known token next, whose
         request allows speculation (``SamplingParams.can_speculate``) and whose backoff allows
         it (a sequence whose drafts were all rejected skips 1, 2, 4, ... chances). True if any
-        sequence got drafts."""
-        assert self.proposer is not None
+        sequence got drafts. With a draft model the drafts are placeholders (copies of the last
+        token) that reserve the verify step's slots; the runner replaces them with the model's
+        tokens once the step is scheduled (``DraftModel.propose``)."""
+        assert self.speculative is not None
         t0 = time.perf_counter()
         found = False
+        k = self.speculative.num_speculative_tokens
         for req in self.scheduler.running:
-            if (req.num_pending or req.num_computed_tokens != req.num_tokens - 1
+            if (req.num_pending or req.num_computed_tokens != req.num_tokens - 1 or not req.num_output_tokens
                     or not req.sampling_params.can_speculate or not self._draft_backoff.allow(req.request_id)):
                 continue
-            req.draft_token_ids = self.proposer.propose(req.request_id, req.all_token_ids)
+            if self.proposer is None:
+                req.draft_token_ids = [req.all_token_ids[-1]] * k
+            else:
+                req.draft_token_ids = self.proposer.propose(req.request_id, req.all_token_ids)
             found = found or bool(req.draft_token_ids)
         self.spec_stats.draft_seconds += time.perf_counter() - t0
         return found
@@ -387,7 +439,7 @@ class LLMEngine:
         scheduling it first finishes the step in flight (drafts need every token on the host),
         and after a probe that found no draft the next 1, 2, 4, ... (at most 16) steps run
         asynchronously without probing."""
-        if self.proposer is None or not self._speculates_now():
+        if self.speculative is None or not self._speculates_now():
             return self._launch_step(final_only, sync=not self.async_scheduling)
         if self.async_scheduling and not self._probe_backoff.allow("engine"):
             return self._launch_step(final_only, sync=False)
@@ -424,7 +476,8 @@ class LLMEngine:
             outputs = self._finish_step(out, launched, final_only)
             if launched.verify is not None:
                 self.spec_stats.verify_steps += 1
-                self.spec_stats.verify_seconds += time.perf_counter() - t0
+                self.spec_stats.verify_seconds += time.perf_counter() - t0 - launched.draft_seconds
+                self.spec_stats.draft_seconds += launched.draft_seconds
             return outputs
         previous, self._in_flight = self._in_flight, (out, launched)
         outputs = self._finish_step(*previous, final_only) if previous is not None else []
@@ -475,9 +528,8 @@ class LLMEngine:
                 self._user_requests.pop(ureq.request_id, None)
                 for seq in ureq.seqs.values():
                     self._user_request_of.pop(seq.request_id, None)
-                    if self.proposer is not None:
-                        self.proposer.drop(seq.request_id)
-                        self._draft_backoff.drop(seq.request_id)
+                    if self.speculative is not None:
+                        self._drop_drafter_state(seq.request_id)
         if self._pending_pins:
             self._take_pins([o.request_id for o in outputs if o.finished])
         return outputs

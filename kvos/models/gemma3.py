@@ -122,14 +122,16 @@ class Gemma3ForCausalLM(nn.Module):
         self.rope_local = RotaryEmbedding(local_rope_config(self.cfg), device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache],
-                metas: Sequence[AttentionMetadata], backend: AttentionBackend) -> torch.Tensor:
+                metas: Sequence[AttentionMetadata], backend: AttentionBackend,
+                num_layers: int | None = None) -> torch.Tensor:
         """Layer i writes and reads ``kv_caches[i]`` (its K and V, each ``[num_blocks,
-        block_size, kv_heads, head_dim]``) through the block tables of ``metas[i]``."""
+        block_size, kv_heads, head_dim]``) through the block tables of ``metas[i]``.
+        ``num_layers``: run only the first layers, then the final norm (a self-draft's early exit)."""
         x = self.embed_tokens(input_ids)
         # HF: the float32 scalar sqrt(hidden) rounded to the model dtype, the product in that dtype
         x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
         residual = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers] if num_layers is not None else self.layers):
             rope = self.rope_local if layer.self_attn.sliding else self.rope_global
             x, residual = layer(x, residual, positions, rope, kv_caches[i], metas[i], backend)
         return self.norm(x, residual)[0]

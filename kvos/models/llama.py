@@ -150,12 +150,14 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(self.cfg, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache],
-                metas: Sequence[AttentionMetadata], backend: AttentionBackend) -> torch.Tensor:
+                metas: Sequence[AttentionMetadata], backend: AttentionBackend,
+                num_layers: int | None = None) -> torch.Tensor:
         """Layer i writes and reads ``kv_caches[i]`` (its K and V, each ``[num_blocks,
         block_size, kv_heads, head_dim]``) through the block tables of ``metas[i]`` (its cache
-        group's metadata)."""
+        group's metadata). ``num_layers``: run only the first layers, then the final norm (a
+        self-draft's early exit)."""
         x, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers] if num_layers is not None else self.layers):
             x, residual = layer(x, residual, positions, self.rope, kv_caches[i], metas[i], backend)
         return self.norm(x, residual)[0]
 

@@ -433,14 +433,16 @@ class Scheduler:
 
     def _take_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The drafts ``req`` verifies this step (its ``draft_token_ids``, consumed): only when it
-        decodes one known token, cut to the budget left after that token and to one fewer than
-        the tokens ``max_tokens`` and ``max_model_len`` still allow (the verify step yields one
-        more than it accepts)."""
+        decodes one known token after its first output token (the prompt's last token is a
+        prefill step, where ``n > 1`` forks), cut to the budget left after that token and to
+        one fewer than the tokens ``max_tokens`` and ``max_model_len`` still allow (the verify
+        step yields one more than it accepts)."""
         drafts = req.draft_token_ids
         if not drafts:
             return drafts  # the common case (no speculation): no allocation on the hot path
         req.draft_token_ids = []
-        if num_new != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1:
+        if (num_new != 1 or req.num_pending or req.num_computed_tokens != req.num_tokens - 1
+                or not req.num_output_tokens):
             return []
         room = min(budget - 1, req.max_model_len - req.num_tokens - 1)
         max_tokens = req.sampling_params.max_tokens

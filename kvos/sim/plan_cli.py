@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   kvos plan --model model.gguf --gpu-memory-gib 48 --gpu-bandwidth-tbs 0.96 --gpu-tflops 181
   kvos plan --model gemma-3-270m --gpu L4 --context-len 8192 --length-dist 256:8192
   kvos plan --model gemma-3-27b --context-len 32768   # hybrid: homogeneous vs equal pages vs unified
+  kvos plan --model llama-3.1-8b --draft-model llama-3.2-1b --context-len 8192  # with a draft's KV group
 
 For a hybrid model (sliding-window and full-attention layers) the plan also compares the KV cache
 layouts side by side at --context-len (+ --output-len) tokens per request: cache groups, page
@@ -39,6 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="request lengths uniform in [LO, HI]: paged uses the mean, contiguous the max")
     p.add_argument("--num-requests", type=int, default=1)
     p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a speculative draft model (preset, config.json or .gguf): its weights and KV group count")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(p, PLAN_ENGINE_FIELDS, title="engine (the pool the plan sizes)")
 
@@ -60,7 +63,8 @@ def run(a: argparse.Namespace) -> int:
     inp = PlanInput(resolve_shape(a.model), resolve_gpu(a.gpu, a.gpu_memory_gib, a.gpu_bandwidth_tbs, a.gpu_tflops),
                     a.weight_dtype, a.kv_dtype, context, a.output_len, mean, a.num_requests,
                     a.gpu_memory_utilization, a.block_size, a.tensor_parallel,
-                    kv_cache_memory_bytes=a.kv_cache_memory_bytes)
+                    kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                    draft=resolve_shape(a.draft_model) if a.draft_model else None)
     result = plan(inp)
     print(json.dumps(result, indent=2) if a.json else format_plan(result))
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvos.cache.full_attention import cdiv
-from kvos.cache.layout import LAYOUTS, CacheLayout, build_layout
+from kvos.cache.layout import LAYOUTS, CacheLayout, build_layout, with_draft_group
 from kvos.cache.spec import KVCacheSpec
 from kvos.sim.hardware import GIB, GPU, KV_DTYPES, WEIGHT_BYTES, kv_bytes_per_token
 from kvos.sim.shapes import ModelShape
@@ -34,6 +34,7 @@ class PlanInput:
     max_num_batched_tokens: int = 8192
     step_overhead_s: float = 0.0
     kv_cache_memory_bytes: int | None = None  # the KV pool's bytes, as the engine's option (default: estimated)
+    draft: ModelShape | None = None  # a speculative draft model: its weights and its KV group count too
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_BYTES:
@@ -76,6 +77,14 @@ def model_layout(shape: ModelShape, kv_dtype: str, block_size: int, mode: str, t
     """The cache layout the engine would build for ``shape`` on one GPU of a TP group."""
     return build_layout(shape.layer_windows(), block_size, kv_heads_per_gpu(shape, tp), shape.head_dim,
                         KV_DTYPES.get(kv_dtype, kv_dtype), mode)
+
+
+def draft_layout(shape: ModelShape, draft: ModelShape, kv_dtype: str, block_size: int, mode: str,
+                 tp: int = 1) -> CacheLayout:
+    """The layout an engine with a speculative draft model builds: the target's groups plus the
+    draft's own full-attention group (``with_draft_group``)."""
+    return with_draft_group(model_layout(shape, kv_dtype, block_size, mode, tp), draft.num_layers,
+                            kv_heads_per_gpu(draft, tp), draft.head_dim, KV_DTYPES.get(kv_dtype, kv_dtype))
 
 
 def layout_capacity(layout: CacheLayout, tokens: int, kv_memory: int) -> dict:
@@ -145,14 +154,23 @@ def plan(p: PlanInput) -> dict:
     total_len = p.context_len + p.output_len
     mean_len = int(round(p.mean_len)) if p.mean_len else total_len
     weights = int(s.params * WEIGHT_BYTES[p.weight_dtype] / tp)
+    d = p.draft
+    draft_weights = int(d.params * WEIGHT_BYTES[p.weight_dtype] / tp) if d is not None else 0
+    draft_per_token = kv_per_layer_token(d, p.kv_dtype, tp) * d.num_layers if d is not None else 0
+    weights += draft_weights
     act = int(p.max_num_batched_tokens * (4 * s.hidden_size + 2 * s.intermediate_size // tp) * 2
               + 256 * s.vocab_size * 4 // tp)
     budget = int(g.memory_bytes * p.gpu_memory_utilization)
     kv_memory = max(0, budget - weights - act) if p.kv_cache_memory_bytes is None else p.kv_cache_memory_bytes
-    per_req_exact = kv_bytes_for_len(s, per_layer, total_len, None)
-    contiguous_req = per_layer * s.num_layers * total_len  # Era 1: max length, every layer
+    per_req_exact = kv_bytes_for_len(s, per_layer, total_len, None) + draft_per_token * total_len
+    contiguous_req = (per_layer * s.num_layers + draft_per_token) * total_len  # Era 1: max length, every layer
     layouts = None
-    if s.is_hybrid:  # paged = the engine's default layout (unified), from the cache's own layout
+    if d is not None:  # the draft's group shares the pool: the cache's own layout sizes it
+        paged = layout_capacity(draft_layout(s, d, p.kv_dtype, p.block_size, "unified", tp), mean_len, kv_memory)
+        max_paged, page, num_pages = paged["max_concurrent_requests"], paged["page_bytes"], paged["num_pages"]
+        if s.is_hybrid:
+            layouts = plan_layouts(s, p.kv_dtype, p.block_size, total_len, kv_memory, tp)
+    elif s.is_hybrid:  # paged = the engine's default layout (unified), from the cache's own layout
         layouts = plan_layouts(s, p.kv_dtype, p.block_size, total_len, kv_memory, tp)
         paged = (layouts["unified"] if mean_len == total_len else
                  layout_capacity(model_layout(s, p.kv_dtype, p.block_size, "unified", tp), mean_len, kv_memory))
@@ -165,7 +183,7 @@ def plan(p: PlanInput) -> dict:
     max_contig = kv_memory // contiguous_req if contiguous_req else 0
     batch = max(1, min(max_paged, 4096))
     kv_read = kv_bytes_for_len(s, per_layer, mean_len, None) * batch
-    step_mem = (weights + kv_read) / g.bandwidth
+    step_mem = (weights - draft_weights + kv_read) / g.bandwidth  # the target's plain decode step
     step_flops = 2 * s.params / tp * batch / g.flops
     step = max(step_mem, step_flops) + p.step_overhead_s
     by_type = {"full_attention": {"layers": s.full_layers, "bytes_per_token": per_layer * s.full_layers}}
@@ -177,7 +195,7 @@ def plan(p: PlanInput) -> dict:
     out = {
         "model": s.name, "gpu": g.name, "tensor_parallel": tp, "weight_dtype": p.weight_dtype,
         "kv_dtype": p.kv_dtype, "params": s.params, "context_len": total_len, "block_size": p.block_size,
-        "kv_bytes_per_token": per_layer * s.num_layers,
+        "kv_bytes_per_token": per_layer * s.num_layers + draft_per_token,
         "kv_bytes_per_token_by_layer_type": by_type,
         "kv_bytes_per_request": per_req_exact,
         "kv_gib_per_request": per_req_exact / GIB,
@@ -197,6 +215,9 @@ def plan(p: PlanInput) -> dict:
     }
     if layouts is not None:
         out["kv_layouts"] = layouts
+    if d is not None:
+        out.update(draft_model=d.name, draft_kv_bytes_per_token=draft_per_token, draft_weight_bytes=draft_weights)
+        by_type["draft"] = {"layers": d.num_layers, "bytes_per_token": draft_per_token}
     return out
 
 
@@ -206,9 +227,13 @@ def format_plan(r: dict) -> str:
     rows = [
         ("model / GPU", f"{r['model']} on {r['gpu']} (TP {r['tensor_parallel']}), weights {r['weight_dtype']}, "
                         f"KV {r['kv_dtype']}"),
-        ("parameters", f"{r['params'] / 1e9:,.2f} B ({gib(r['weight_bytes'])} per GPU)"),
+        ("parameters", f"{r['params'] / 1e9:,.2f} B ({gib(r['weight_bytes'])} per GPU"
+                       f"{', the draft included' if 'draft_model' in r else ''})"),
         ("KV per token", f"{r['kv_bytes_per_token']:,} B"),
     ]
+    if "draft_model" in r:
+        rows.insert(2, ("draft model", f"{r['draft_model']}: {gib(r['draft_weight_bytes'])} of weights, "
+                                       f"{r['draft_kv_bytes_per_token']:,} B/token of KV (its own cache group)"))
     if layouts:  # the unified layout's groups: one per kind of layer
         for g in layouts["unified"]["groups"]:
             extra = (f", window {g['window']:,} (holds <= {g['blocks_per_request']:,} blocks)"
@@ -224,7 +249,7 @@ def format_plan(r: dict) -> str:
         ("memory for KV", f"{gib(r['kv_memory_bytes'])} (budget {gib(r['memory_budget_bytes'])} - weights - "
                           f"activations {gib(r['activation_bytes'])})"),
     ]
-    if layouts:
+    if layouts or "draft_model" in r:
         rows += [("max concurrent (paged)", f"{r['max_concurrent_requests_paged']:,} (unified layout)")]
     else:
         rows += [("blocks in pool", f"{r['num_blocks']:,} x {r['block_size']} tokens ({r['page_bytes']:,} B each)"),

@@ -73,6 +73,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--weight-dtype", default="bf16")
     m.add_argument("--kv-dtype", default="fp16")
     m.add_argument("--tensor-parallel", type=int, default=1)
+    m.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a speculative draft model (preset, config.json or .gguf): its KV is a cache group of the "
+                        "pool (memory only: the cost model does not time drafting)")
     m.add_argument("--calibration", default=None, help="JSON of measured steps to fit the cost model to")
     c = p.add_argument_group("cache size")
     c.add_argument("--cache-blocks", default="unlimited",
@@ -140,7 +143,7 @@ def build(a: argparse.Namespace):
     from kvos.config.engine import EngineConfig
     from kvos.sim.cost_model import CostModel
     from kvos.sim.hardware import KV_DTYPES, kv_bytes_per_token, resolve_gpu
-    from kvos.sim.planner import model_layout
+    from kvos.sim.planner import draft_layout, model_layout
     from kvos.sim.shapes import resolve_shape
     from kvos.sim.simulator import SimConfig
 
@@ -154,6 +157,8 @@ def build(a: argparse.Namespace):
     if a.calibration:
         cost.calibrate(a.calibration)
     layout = model_layout(shape, a.kv_dtype, bs, engine.kv_layout) if shape.is_hybrid else None
+    if a.draft_model:
+        layout = draft_layout(shape, resolve_shape(a.draft_model), a.kv_dtype, bs, engine.kv_layout)
     if a.cache_gb is not None:
         if layout is not None:
             blocks = layout.num_pages_for_memory(int(a.cache_gb * (1 << 30)))
@@ -162,7 +167,8 @@ def build(a: argparse.Namespace):
             blocks = int(a.cache_gb * (1 << 30) // (per_token * bs))
     elif a.cache_tokens is not None:
         if layout is not None:
-            raise ValueError(f"cache_tokens: a hybrid model's pool holds different tokens per layer kind; give "
+            raise ValueError(f"cache_tokens: a pool of several cache groups (a hybrid model, a draft model) holds "
+                             f"different tokens per group; give "
                              f"--cache-gb or --cache-blocks (large pages of {layout.large_page_bytes:,} B)")
         blocks = a.cache_tokens // bs
     elif str(a.cache_blocks) == "unlimited":

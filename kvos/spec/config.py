@@ -5,8 +5,8 @@ from dataclasses import dataclass, fields
 
 from kvos.core.json_object import json_object
 
-METHODS = ("ngram",)
-"""Proposers built so far."""
+METHODS = ("ngram", "draft_model", "self_draft")
+"""Proposers: prompt lookup, a separate draft model, the target's own first layers."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,12 @@ class SpeculativeConfig:
     ``ngram``: the draft continues the latest earlier occurrence of the sequence's last ``n``
     tokens, for ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, in the prompt
     and the output so far.
+
+    ``draft_model`` (``"model": path``): a smaller model with the target's vocabulary proposes
+    ``k`` tokens greedily; its KV is a cache group of its own in the target's pool.
+    ``self_draft`` (``"num_draft_layers": n``): the target's first ``n`` layers, then its final
+    norm and LM head, propose (LayerSkip's early exit); they share the target's KV, since the
+    same weights write the same K and V for those layers.
     """
 
     method: str = "ngram"
@@ -26,6 +32,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 32
+    model: str | None = None
+    """``draft_model``: the draft's GGUF file or HF folder (its tokenizer must be the target's)."""
+    num_draft_layers: int | None = None
+    """``self_draft``: how many of the target's first layers draft."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -34,6 +44,17 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model: required with method "
+                             "'draft_model', not allowed with " + repr(self.method))
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config.model must be a path, got {self.model!r}")
+        if (self.method == "self_draft") != (self.num_draft_layers is not None):
+            raise ValueError("speculative_config.num_draft_layers: required with method 'self_draft', "
+                             "not allowed with " + repr(self.method))
+        v = self.num_draft_layers
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"speculative_config.num_draft_layers must be a positive integer, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -59,3 +80,13 @@ class SpeculativeConfig:
             kw["prompt_lookup_min"] = min(kw["prompt_lookup_max"], cls.prompt_lookup_min) \
                 if isinstance(kw["prompt_lookup_max"], int) else kw["prompt_lookup_max"]
         return cls(**kw)
+
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a forward pass on the device (not from the host's token lists)."""
+        return self.method != "ngram"
+
+    @property
+    def draft_owns_kv(self) -> bool:
+        """The draft keeps KV of its own: a cache group in the pool beside the target's."""
+        return self.method == "draft_model"

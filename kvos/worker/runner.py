@@ -17,6 +17,7 @@ from kvos.models.loader import load_model
 from kvos.models.ops import triton_enabled
 from kvos.worker.block_digest import page_digests
 from kvos.worker.cuda_graphs import DecodeGraphs
+from kvos.worker.draft_model import DraftModel
 from kvos.worker.host_copies import as_words, to_device
 from kvos.worker.sampler import (
     PendingPromptLogprobs,
@@ -44,6 +45,8 @@ class LaunchedStep:
     prompt_logprobs: PendingPromptLogprobs | None = None
     verify: PendingVerify | None = None
     """Speculative drafts being verified (their targets are not in ``targets``)."""
+    draft_seconds: float = 0.0
+    """Time the draft model took to propose this step's drafts."""
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -110,6 +113,8 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None
         self._last_targets: list[str] = []
         """Device tokens sampled by the last launch, and the target of each row."""
+        self.draft: DraftModel | None = None
+        """The speculative draft model, if drafts come from one (``set_draft``)."""
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
         """Called with (request ids, float32 logits rows) each step before sampling; a debugging
         and testing aid that must not modify the tensor."""
@@ -155,6 +160,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_layers, self.layer_group, len(self.group_caches),
                                        self.backend, self.block_size, min(max_num_seqs, 256), max_blocks)
 
+    def set_draft(self, draft: DraftModel) -> None:
+        """Draft speculative tokens with ``draft`` (before ``allocate_kv_cache``, which binds its
+        K/V: a group of its own, or the target's first layers')."""
+        self.draft = draft
+
     def allocate_kv_cache(self, layout: CacheLayout, num_pages: int) -> None:
         """One zeroed buffer of ``num_pages`` large pages, viewed per group and per layer."""
         c = self.cfg
@@ -182,15 +192,26 @@ class ModelRunner:
                 scales = self.kv_buffer.view(torch.float32).as_strided(
                     sshape, (s.page_bytes // 4, 2 * kvh * bs, kvh * bs, 1, bs), s.data_bytes // 4)
             self.group_scales.append(scales)
-        self.kv_layers, self.layer_group = [], []
-        for layer in range(c.num_layers):
+        self.kv_layers, self.layer_group = self._layer_views(layout, range(c.num_layers))
+        d = self.draft
+        if d is not None:
+            if d.owns_kv:  # the draft's layers are numbered after the target's
+                d.bind(*self._layer_views(layout, range(c.num_layers, c.num_layers + d.cfg.num_layers)))
+            else:
+                d.bind(self.kv_layers[: d.num_layers], self.layer_group[: d.num_layers])
+
+    def _layer_views(self, layout: CacheLayout, layers: range) -> tuple[list[KVCache], list[int]]:
+        """Each layer's (K, V) views into its group's pages, and its group."""
+        kv_layers, layer_group = [], []
+        for layer in layers:
             g, slot = layout.layer_slot(layer)
             view, scales = self.group_caches[g], self.group_scales[g]
             if scales is None:
-                self.kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1]))
+                kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1]))
             else:
-                self.kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1], scales[:, slot, 0], scales[:, slot, 1]))
-            self.layer_group.append(g)
+                kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1], scales[:, slot, 0], scales[:, slot, 1]))
+            layer_group.append(g)
+        return kv_layers, layer_group
 
     READ_CHUNK_BYTES = 256 << 20
     """Most device memory ``read_blocks`` gathers into at once (before each device-to-host copy)."""
@@ -401,6 +422,11 @@ class ModelRunner:
             self.group_pages[group][dst].copy_(self.group_pages[group][src])
         if step.is_empty:
             return LaunchedStep([], None)
+        draft_s = 0.0
+        if self.draft is not None:
+            t0 = self.draft.seconds
+            self.draft.propose(step, self.block_size, self.backend, self.device)
+            draft_s = self.draft.seconds - t0
         (input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets,
          plp, drafts) = self._prepare(step)
         meta, g = metas[0], self.graphs
@@ -410,6 +436,8 @@ class ModelRunner:
         else:
             layer_metas = [metas[g] for g in self.layer_group]
             hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
+        if self.draft is not None:
+            self.draft.fill_kv(input_ids, positions, metas, self.backend)
         pending_plp = self._launch_prompt_logprobs(hidden, *plp) if plp is not None else None
         if not row_ids:
             return LaunchedStep([], None, pending_plp)
@@ -418,10 +446,10 @@ class ModelRunner:
             self.logits_hook(row_ids, logits)
         verify = launch_verify(logits, drafts) if drafts else None
         if not sample_rows:
-            return LaunchedStep([], None, pending_plp, verify)
+            return LaunchedStep([], None, pending_plp, verify, draft_s)
         pending = self.sampler.launch(logits, sample_rows, self._last_tokens)
         self._last_tokens, self._last_targets = pending.tokens, targets
-        return LaunchedStep(targets, pending, pending_plp, verify)
+        return LaunchedStep(targets, pending, pending_plp, verify, draft_s)
 
     def _launch_prompt_logprobs(self, hidden: torch.Tensor, entries: list[PromptLogprobRows],
                                 rows: torch.Tensor, targets: torch.Tensor) -> PendingPromptLogprobs:
