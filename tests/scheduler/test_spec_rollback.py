@@ -2,7 +2,9 @@
 (pure Python): random drafts, a random number of them accepted each step, small pools that
 force preemption. After every step the pool adds up, each sequence holds no block past its
 tokens (blocks of rejected drafts went back), and every hash in the prefix index is the hash
-of tokens that were verified (the requests' own tokens), never of a rejected draft."""
+of tokens that were verified (the requests' own tokens), never of a rejected draft. With a draft
+model's cache group beside the target's (pages of another size in the same pool), every group
+holds the same blocks' worth of tokens and obeys the same rules."""
 from __future__ import annotations
 
 import random
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvos.cache import FullAttentionSpec, KVCacheManager
 from kvos.cache.hashing import extend_block_hashes, root_hash
+from kvos.cache.layout import single_group_layout, with_draft_group
 from kvos.core.request import Request, RequestStatus
 from kvos.core.sampling_params import SamplingParams
 from kvos.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -29,7 +32,33 @@ workload_st = st.fixed_dictionaries({
     "prompts": st.lists(st.integers(1, 30), min_size=1, max_size=6),
     "max_tokens": st.integers(1, 30),
     "shared": st.booleans(),
+    "draft": st.booleans(),
 })
+
+
+def check_group_accounting(sched: Scheduler) -> None:
+    """Per cache group: running sequences' tables cover their computed tokens with referenced
+    blocks, every block's ref count is the number of tables holding it, and all groups' tables
+    of a sequence are as long; the pool's large pages add up."""
+    kv = sched.kv
+    refs: list[dict[int, int]] = [{} for _ in kv.pools]
+    for req in sched.running:
+        tables = kv.block_tables(req.request_id)
+        assert len({len(t) for t in tables}) == 1, (req.request_id, [len(t) for t in tables])
+        for g, table in enumerate(tables):
+            assert len(table) * kv.block_size >= req.num_computed_tokens
+            for b in table:
+                assert not b.is_null and b.ref_cnt >= 1 and not kv.pools[g].is_free(b), (g, req.request_id, b)
+                refs[g][b.block_id] = refs[g].get(b.block_id, 0) + 1
+    for rid, req in sched.requests.items():
+        if req.status != RequestStatus.RUNNING:
+            assert not any(kv.block_tables(rid)), f"{rid} ({req.status}) still holds blocks"
+    for g, pool in enumerate(kv.pools):
+        for block in pool.blocks:
+            if pool.pages.owner[block.block_id // pool.per_page] == g and not block.is_null:
+                assert block.ref_cnt == refs[g].get(block.block_id, 0), (g, block)
+    u = kv.usage()
+    assert u.total == u.free + u.cached + u.used, u
 
 
 def verified_hashes(requests: list[Request], bs: int) -> set[bytes]:
@@ -47,7 +76,10 @@ def verified_hashes(requests: list[Request], bs: int) -> set[bytes]:
 def test_rollback_keeps_the_pool_consistent_and_the_index_verified(w):
     rng = random.Random(w["seed"])
     bs, k = w["block_size"], w["k"]
-    kv = KVCacheManager(FullAttentionSpec(bs, 1, 1, 1), w["num_blocks"], "m", True, "lru")
+    layout = single_group_layout(FullAttentionSpec(bs, 2, 1, 1))
+    if w["draft"]:  # the draft's blocks are half the target's: two to a page
+        layout = with_draft_group(layout, 1, 1, 1, "float32")
+    kv = KVCacheManager(layout, w["num_blocks"], "m", True, "lru")
     sched = Scheduler(SchedulerConfig(w["max_num_batched_tokens"], w["max_num_seqs"]), kv)
     head = [rng.randrange(VOCAB) for _ in range(30)]
     requests = []
@@ -80,7 +112,10 @@ def test_rollback_keeps_the_pool_consistent_and_the_index_verified(w):
                     sampled[target.request_id] = rng.randrange(VOCAB)
         spec = {s.request.request_id: (s.start, len(s.draft_token_ids)) for s in out.seqs if s.draft_token_ids}
         sched.update_from_output(out, sampled)
-        check_block_accounting(sched)
+        if w["draft"]:
+            check_group_accounting(sched)
+        else:
+            check_block_accounting(sched)
         for req in sched.running:
             held = len(kv.block_tables(req.request_id)[0])
             assert held * bs >= req.num_computed_tokens
@@ -90,8 +125,9 @@ def test_rollback_keeps_the_pool_consistent_and_the_index_verified(w):
                 assert held == min(-(-req.num_tokens // bs), -(-(start + 1 + d) // bs))
                 assert req.num_computed_tokens == req.num_tokens - 1
             assert not req.draft_token_ids  # consumed by the schedule
-        cached = set(kv.pool.index.hashes())
-        assert cached <= verified_hashes(requests, bs), "an unverified token's block is in the prefix index"
+        verified = verified_hashes(requests, bs)
+        for pool in kv.pools:
+            assert set(pool.index.hashes()) <= verified, "an unverified token's block is in the prefix index"
     else:
         raise AssertionError("the workload did not finish")
     for req in requests:

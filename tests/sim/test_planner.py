@@ -230,3 +230,21 @@ def test_planner_window_blocks_match_the_kv_manager(window, block_size):
             peak[g] = max(peak[g], m.num_held_blocks("r"))
     assert peak == [group_blocks(g.spec, tokens) for g in layout.groups]
     assert layout.groups[0].spec.kind == "full_attention" and peak[0] == -(-tokens // block_size)
+
+
+def test_a_draft_model_s_weights_and_kv_group_are_counted():
+    """Llama-3.1-8B with Llama-3.2-1B as its draft: per token 131,072 B of target KV (32 layers x 8
+    heads x 128 x 2 B x K,V) plus 32,768 B of draft KV (16 x 8 x 64 x 2 x 2); a request of 8,192
+    tokens holds 512 target blocks (one 2 MiB page each) and 512 draft blocks (four to a page)."""
+    base = PlanInput(PRESETS["llama-3.1-8b"], GPUS["H200"], context_len=8192)
+    alone = plan(base)
+    d = PRESETS["llama-3.2-1b"]
+    r = plan(PlanInput(PRESETS["llama-3.1-8b"], GPUS["H200"], context_len=8192, draft=d))
+    assert r["draft_kv_bytes_per_token"] == 32_768 and r["kv_bytes_per_token"] == 131_072 + 32_768
+    assert r["draft_weight_bytes"] == d.params * 2 and r["weight_bytes"] == alone["weight_bytes"] + d.params * 2
+    assert r["kv_bytes_per_request"] == 8192 * 163_840
+    usable = r["kv_memory_bytes"] // (131_072 * 16) - 1
+    assert r["page_bytes"] == 131_072 * 16 and r["max_concurrent_requests_paged"] == usable // (512 + 128)
+    assert r["max_concurrent_requests_paged"] < alone["max_concurrent_requests_paged"]
+    out = run_cli("--model", "llama-3.1-8b", "--draft-model", "llama-3.2-1b", "--gpu", "H200")
+    assert out.returncode == 0 and "draft model" in out.stdout and "32,768 B/token" in out.stdout

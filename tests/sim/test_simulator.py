@@ -403,3 +403,22 @@ def test_no_tier_setting_beats_the_optimum_of_both_memories(data):
     r = simulate(trace, block_size=512, num_blocks=size, max_num_seqs=1, eviction_policy=device,
                  eviction_lookahead=data.draw(st.sampled_from([0, 4])), tier=cfg)
     assert r["token_hit_rate"] <= opt["token_hit_rate"] + 1e-12
+
+
+def test_a_draft_model_s_kv_group_shares_the_simulated_pool(capsys):
+    """1 GiB for Llama-3.1-8B: 512 pages of 2 MiB; with Llama-3.2-1B's draft group (four 512 KiB
+    blocks to a page) every request also holds draft blocks, so fewer run at once."""
+    work = ("simulate", "--synthetic", "--model", "llama-3.1-8b", "--cache-gb", "1", "--num-requests", "40",
+            "--rate", "1000", "--input-len", "512:1024", "--output-len", "32:64", "--json")
+    rc, out, err = kvos_main(capsys, *work)
+    assert rc == 0, err
+    alone = json.loads(out)
+    rc, out, err = kvos_main(capsys, *work, "--draft-model", "llama-3.2-1b")
+    assert rc == 0, err
+    draft = json.loads(out)
+    assert draft["num_blocks"] == 512 and draft["page_bytes"] == 2 << 20
+    assert [g["role"] for g in draft["kv_groups"]] == ["model", "draft"]
+    assert [g["blocks_per_large_page"] for g in draft["kv_groups"]] == [1, 4]
+    peak_target, peak_draft = draft["group_peak_blocks"]
+    assert peak_target == peak_draft and peak_target + peak_draft / 4 <= 511
+    assert draft["running_peak"] < alone["running_peak"]
