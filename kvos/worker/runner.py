@@ -159,6 +159,9 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.kv_layers, self.layer_group, len(self.group_caches),
                                        self.backend, self.block_size, min(max_num_seqs, 256), max_blocks)
+            if self.draft is not None:
+                self.draft.capture_graphs(len(self.group_caches), self.backend, self.block_size,
+                                          min(max_num_seqs, 256), max_blocks)
 
     def set_draft(self, draft: DraftModel) -> None:
         """Draft speculative tokens with ``draft`` (before ``allocate_kv_cache``, which binds its
@@ -437,7 +440,7 @@ class ModelRunner:
             layer_metas = [metas[g] for g in self.layer_group]
             hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
         if self.draft is not None:
-            self.draft.fill_kv(input_ids, positions, metas, self.backend)
+            self.draft.fill_kv(input_ids, positions, metas, self.backend, slots, tables)
         pending_plp = self._launch_prompt_logprobs(hidden, *plp) if plp is not None else None
         if not row_ids:
             return LaunchedStep([], None, pending_plp)

@@ -354,3 +354,30 @@ def test_timed_copies_order_the_callers_stream_after_the_copy():
     torch.cuda.synchronize()
     copies.collect()
     assert copies.copies == 3 and copies.bytes == 3 * (64 << 20) and copies.seconds > 0
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_draft_models_on_gpu_keep_greedy_tokens(eager):
+    """Both draft proposers on the Triton path (CUDA graphs for the target's steps, or eager):
+    greedy tokens equal plain decoding's through chunked prefill and prefix hits; a draft file
+    with the target's (random, seeded) weights is accepted nearly always, so its own cache
+    group holds the right K/V."""
+    from kvos import LLM
+
+    kw = dict(model="llama-tiny", random_weights=True, device="cuda", dtype="float32", num_blocks=80,
+              block_size=16, max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=eager)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 4096, (40,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": shared + torch.randint(3, 4096, (n,), generator=g).tolist()} for n in (3, 30, 70)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, sp, use_tqdm=False)]
+    for cfg in ({"method": "draft_model", "model": "llama-tiny", "num_speculative_tokens": 4},
+                {"method": "self_draft", "num_draft_layers": 1, "num_speculative_tokens": 3}):
+        llm = LLM(**kw, speculative_config=cfg)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        outs += [o.outputs[0].token_ids for o in llm.generate(prompts[2:], sp, use_tqdm=False)]  # a prefix hit
+        assert outs == ref + ref[2:], cfg["method"]
+        s = llm.engine.spec_stats
+        assert s.verify_steps > 0
+        if cfg["method"] == "draft_model":
+            assert s.accepted >= 0.9 * s.proposed and len(llm.engine.layout.groups) == 2
