@@ -45,13 +45,14 @@ class SpeculativeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
         if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("speculative_config.model names the draft model: required with method "
-                             "'draft_model', not allowed with " + repr(self.method))
+            raise ValueError("speculative_config.model names the draft model: " + (
+                "required with method 'draft_model'" if self.model is None else f"not allowed with {self.method!r}"))
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"speculative_config.model must be a path, got {self.model!r}")
         if (self.method == "self_draft") != (self.num_draft_layers is not None):
-            raise ValueError("speculative_config.num_draft_layers: required with method 'self_draft', "
-                             "not allowed with " + repr(self.method))
+            raise ValueError("speculative_config.num_draft_layers: " + (
+                "required with method 'self_draft'" if self.num_draft_layers is None
+                else f"not allowed with {self.method!r}"))
         v = self.num_draft_layers
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"speculative_config.num_draft_layers must be a positive integer, got {v!r}")
