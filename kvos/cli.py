@@ -1,9 +1,10 @@
-"""The ``kvos`` command: generate, chat, serve, plan, simulate, bench, export-tokenizer."""
+"""The ``kvos`` command: generate, chat, serve, top, plan, simulate, bench, export-tokenizer."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
 import sys
 
 from kvos.config.flags import (
@@ -205,8 +206,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
                             timeout_keep_alive=a.timeout_keep_alive, h11_max_incomplete_event_size=a.max_header_bytes,
                             # streams were drained (or cut) before uvicorn's own shutdown starts
                             timeout_graceful_shutdown=10)
+    app.state.kvos.tool_call_parser = None if a.tool_call_parser == "auto" else a.tool_call_parser
     DrainingServer(config, app.state.kvos.drain).run()
     return 0
+
+
+def cmd_top(a: argparse.Namespace) -> int:
+    from kvos.serve.top import run
+
+    return run(a.url, a.api_key, a.interval, a.once, a.top)
 
 
 def cmd_export_tokenizer(a: argparse.Namespace) -> int:
@@ -260,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' (repeatable; each key is a cache tenant)")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default="auto",
+                   help="how tool calls are read from replies: auto picks from the chat template (Hermes "
+                        "<tool_call> tags when it does not render tools)")
     s.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests waiting for their first token beyond this get 429")
     s.add_argument("--no-warmup", action="store_true")
@@ -300,6 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(s, RouterConfig)
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
+    tp = sub.add_parser("top", help="live view of a running server's KV memory: pages by group and state, hit "
+                        "rates, top cached prefixes, tiers, engines, queue and throughput")
+    tp.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
+    tp.add_argument("--api-key", default=os.environ.get("KVOS_API_KEY"),
+                    help="a key of a server started with --api-key (default: $KVOS_API_KEY)")
+    tp.add_argument("--interval", type=positive(float), default=1.0, help="seconds between refreshes (default: 1)")
+    tp.add_argument("--once", action="store_true",
+                    help="print one view (two samples --interval apart, for the throughput) and exit")
+    tp.add_argument("--top", type=int, default=10, choices=range(0, 101), metavar="N",
+                    help="cached prefixes to list (0-100, default: 10)")
+    tp.set_defaults(fn=cmd_top)
     et = sub.add_parser("export-tokenizer", help="save the model's tokenizer as a Hugging Face tokenizer folder "
                         "(for load tools such as guidellm: --tokenizer kind=huggingface_auto,model=DIR)")
     et.add_argument("out_dir")

@@ -371,6 +371,30 @@ class BlockPool:
             for listener in self.listeners:
                 listener.block_cached(self.group, block, adopted)
 
+    def top_hit_blocks(self, n: int) -> list[KVBlock]:
+        """The cached blocks that prefix hits took most often (``num_hits``, counted by ``touch``),
+        at most ``n``, most hit first (deeper first on ties). A hit takes a chain from its root,
+        so a block's ancestors have at least its hits: an ancestor with exactly as many is the
+        same prefix, shorter, and is left out; one with more (a prefix shared by several longer
+        ones) is listed on its own. Scans the cached blocks (an operator's view, never per step)."""
+        if n <= 0:
+            return []
+        heap = [(-b.num_hits, -b.depth, b.block_id) for b in self.index.blocks() if b.num_hits]
+        heapq.heapify(heap)
+        out: list[KVBlock] = []
+        covered: set[int] = set()
+        while heap and len(out) < n:
+            _, _, block_id = heapq.heappop(heap)
+            if block_id in covered:
+                continue
+            block = self.blocks[block_id]
+            out.append(block)
+            parent = self.index.get(block.parent_hash) if block.parent_hash is not None else None
+            while parent is not None and parent.num_hits == block.num_hits and parent.block_id not in covered:
+                covered.add(parent.block_id)
+                parent = self.index.get(parent.parent_hash) if parent.parent_hash is not None else None
+        return out
+
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block's content; returns how many were dropped."""
         dropped = 0

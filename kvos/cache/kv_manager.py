@@ -427,6 +427,19 @@ class KVCacheManager:
         return {"held_bytes": held, "live_bytes": live, "fragmentation_bytes": fragment,
                 "waste_bytes": waste, "waste_fraction": waste / held if held else 0.0}
 
+    def top_prefixes(self, n: int = 10) -> list[dict]:
+        """The ``n`` cached prefixes that prefix hits took most often, over every group
+        (``BlockPool.top_hit_blocks``), most hit first: per prefix its ``group``, ``hits``,
+        ``tokens`` (the chain's length up to and including its last block), ``state`` (``used``:
+        a request or pin holds it now; else ``cached``) and ``hash`` (hex of the last block's
+        chained hash). Token ids never leave the cache. Scans the cached blocks: for an
+        operator's view, never per step."""
+        rows = [{"group": g, "hits": b.num_hits, "tokens": (b.depth + 1) * self.block_size,
+                 "state": "used" if b.ref_cnt else "cached", "hash": b.block_hash.hex()}
+                for g, pool in enumerate(self.pools) for b in pool.top_hit_blocks(n) if b.block_hash is not None]
+        rows.sort(key=lambda r: (-r["hits"], -r["tokens"], r["group"]))
+        return rows[:n]
+
     def reset_prefix_cache(self) -> int:
         dropped = sum(p.reset_prefix_cache() for p in self.pools)
         if self.events is not None and not any(len(p.index) for p in self.pools):

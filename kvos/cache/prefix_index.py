@@ -24,6 +24,10 @@ class PrefixIndex:
         """A view of every registered hash."""
         return self._blocks.keys()
 
+    def blocks(self):
+        """A view of every registered block."""
+        return self._blocks.values()
+
     def get(self, block_hash: BlockHash) -> KVBlock | None:
         return self._blocks.get(block_hash)
 

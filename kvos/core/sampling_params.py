@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvos.core.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -19,7 +21,9 @@ class SamplingParams:
     multiplies the negative ones; ``logit_bias`` maps token ids to a bias in [-100, 100] added
     to their logits. ``speculative=False`` keeps this request out of speculative decoding
     (an engine speculates only for requests without penalties, logit bias, ``min_tokens`` or
-    logprobs). While fewer than ``min_tokens`` tokens are generated, EOS (unless
+    logprobs, structured outputs). ``structured_outputs`` constrains the output to a JSON
+    schema, a regex, a choice or a grammar (``StructuredOutputsParams``): a token that would
+    break it is never sampled, and the sequence ends when the grammar does. While fewer than ``min_tokens`` tokens are generated, EOS (unless
     ``ignore_eos``) and ``stop_token_ids`` cannot be sampled. Invalid values raise
     ``ValueError`` naming the field.
     """
@@ -44,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     speculative: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -69,7 +74,8 @@ class SamplingParams:
         """True when drafts may be verified for this request: it allows it and its tokens'
         distribution depends on nothing the verify step does not see (no penalties, bias or
         ``min_tokens`` ban, which read the tokens before each position; no logprobs)."""
-        return self.speculative and not self.adjusts_logits and self.logprobs is None
+        return (self.speculative and not self.adjusts_logits and self.logprobs is None
+                and self.structured_outputs is None)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -83,6 +89,8 @@ class SamplingParams:
 
         if not isinstance(self.speculative, bool):
             raise bad("speculative", "must be true or false")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:

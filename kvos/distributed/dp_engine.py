@@ -452,6 +452,17 @@ class DataParallelEngine:
     def health(self) -> EngineHealth:
         return EngineHealth(self.engines_up(), self.prefill_engines_up())
 
+    async def top_prefixes(self, n: int = 10) -> list[dict]:
+        """The ``n`` most-hit cached prefixes of every engine up, ranked together; each row names
+        its ``engine``. An engine that fails to answer is left out."""
+        live = [i for i, d in enumerate(self.down) if not d]
+        answers = await asyncio.gather(*(self.engines.call(i, "top_prefixes", n) for i in live),
+                                       return_exceptions=True)
+        rows = [{**row, "engine": i} for i, found in zip(live, answers) if not isinstance(found, BaseException)
+                for row in found]
+        rows.sort(key=lambda r: (-r["hits"], -r["tokens"], r["engine"]))
+        return rows[:n]
+
     def stats(self) -> dict:
         """The engines' figures summed (numbers at the top level), each engine's own under
         ``engines``, and the router's under ``router``."""

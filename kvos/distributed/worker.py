@@ -194,6 +194,10 @@ class EngineWorker:
     def stats(self) -> dict:
         return {**self._call(self.engine.stats), "pid": os.getpid()}
 
+    def top_prefixes(self, n: int = 10) -> list[dict]:
+        """``LLMEngine.top_prefixes`` on the stepping thread, between steps."""
+        return self._call(lambda: self.engine.top_prefixes(n))
+
     def ping(self) -> str:
         return self.engine_id
 

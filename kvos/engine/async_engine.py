@@ -126,6 +126,10 @@ class AsyncEngine:
         and sizes: each figure is current, not all of them of the same step)."""
         return self.engine.stats()
 
+    async def top_prefixes(self, n: int = 10) -> list[dict]:
+        """``LLMEngine.top_prefixes``, on the engine thread between steps (it scans the cache)."""
+        return await self.call(lambda: self.engine.top_prefixes(n))
+
     def health(self) -> EngineHealth:
         """One engine, in this process: serving while the server is."""
         return EngineHealth()

@@ -33,25 +33,27 @@ def validate_messages(messages) -> list[dict]:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template and tokenize the result.
 
     Contract: the special tokens the template writes become their ids; special-token text inside
     any message string (content, name) is tokenized as plain text, never as a special id. For
     messages without special-token text the ids equal ``tokenizer(rendered, add_special_tokens=
     add_special_tokens)``. ``add_special_tokens`` adds the tokenizer's own BOS/EOS (the template
-    usually holds them already). Raises ``ValueError`` (a 400 naming ``messages``) for invalid
+    usually holds them already). ``tools`` (OpenAI's tool list) go to a template that renders
+    them, under the same rule. Raises ``ValueError`` (a 400 naming ``messages``) for invalid
     messages, a model without a template, or a template or tokenizer that rejects them."""
     if not has_chat_template(tokenizer):
         raise ValueError("messages: this model has no chat template (a base model); send a plain "
                          "prompt (/v1/completions) instead")
     messages = validate_messages(messages)
     control = _control_re(tokenizer)
-    if control is None or not any(control.search(s) for s in _strings(messages)):
-        return _encode(tokenizer, _render(tokenizer, messages, add_generation_prompt), add_special_tokens)
-    start, end = _free_markers(messages)
+    given = [messages, tools or []]
+    if control is None or not any(control.search(s) for s in _strings(given)):
+        return _encode(tokenizer, _render(tokenizer, messages, add_generation_prompt, tools), add_special_tokens)
+    start, end = _free_markers(given)
     marked = _mark(messages, control, start, end)
-    text = _render(tokenizer, marked, add_generation_prompt)
+    text = _render(tokenizer, marked, add_generation_prompt, _mark(tools, control, start, end) if tools else None)
     # [template text, marked token (or None: a lone marker the template split off), template text, ...]
     pieces = re.split(f"{start}({control.pattern}){end}|[{start}{end}]", text)
     try:
@@ -77,9 +79,11 @@ def clip(value: object, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **extra)
     except ValueError:
         raise
     except Exception as e:  # template errors (e.g. jinja raise_exception) are the input's fault
@@ -121,7 +125,7 @@ def _strings(obj) -> Iterator[str]:
             yield from _strings(v)
 
 
-def _free_markers(messages: list[dict]) -> tuple[str, str]:
+def _free_markers(messages: list) -> tuple[str, str]:
     """Two private-use characters that no message string contains."""
     used = set().union(*(set(s) for s in _strings(messages)))
     free = (chr(c) for c in _MARKER_RANGE if chr(c) not in used)

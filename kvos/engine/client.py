@@ -141,6 +141,10 @@ class EngineClient(Protocol):
         """The engine's cache and queue figures (``LLMEngine.stats``' keys; a data-parallel
         client sums its engines' and adds ``engines`` and ``router``)."""
 
+    async def top_prefixes(self, n: int = 10) -> list[dict]:
+        """The ``n`` cached prefixes hit most often (``LLMEngine.top_prefixes``: hashes and counts;
+        a data-parallel client ranks its engines' together, each row naming its ``engine``)."""
+
     def health(self) -> EngineHealth: ...
 
     async def drain(self, timeout: float) -> None:

@@ -63,7 +63,7 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]

@@ -45,6 +45,8 @@ from kvos.spec.backoff import DraftBackoff
 from kvos.spec.config import SpeculativeConfig
 from kvos.spec.ngram import NgramProposer
 from kvos.spec.stats import SpecStats
+from kvos.structured.grammars import GrammarCompiler
+from kvos.structured.matchers import SequenceMatchers
 from kvos.worker.device import resolve_device
 from kvos.worker.draft_model import DraftModel
 from kvos.worker.runner import LaunchedStep, ModelRunner, parse_dtype
@@ -193,6 +195,11 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.matchers = SequenceMatchers(GrammarCompiler(
+            self.tokenizer, tok_eos if tok_eos is not None else min(eos, default=0), mc.vocab_size))
+        """Grammar state of the sequences with ``structured_outputs``; see ``kvos.structured``."""
+        self._constrained: set[str] = set()  # user requests with structured outputs, not finished
         hierarchy = build_hierarchy(config.cpu_cache_gb, config.disk_cache_dir, config.disk_cache_gb,
                                     config.remote_cache, config.write_policy,
                                     pinned=self.runner.device.type == "cuda",
@@ -309,6 +316,8 @@ class LLMEngine:
         if len(ids) + 1 > usable:
             raise ValueError(f"prompt is {len(ids)} tokens; the KV pool holds only {usable} "
                              f"(raise kv_cache_memory_bytes)")
+        if params.structured_outputs is not None:  # compiled (and cached) now: a bad schema is a ValueError
+            self.matchers.compiler.matcher(params.structured_outputs)
         req = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
                       cache_salt=cache_salt, max_model_len=self.max_model_len)
         ureq = _UserRequest(request_id, text, ids, params, time.monotonic())
@@ -318,6 +327,8 @@ class LLMEngine:
         self._user_requests[request_id] = ureq
         self._user_request_of[request_id] = ureq
         self.scheduler.add_request(req)
+        if params.structured_outputs is not None:
+            self._constrained.add(request_id)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -328,10 +339,17 @@ class LLMEngine:
         for rid, seq in list(self.scheduler.requests.items()):
             if seq.parent_id == request_id:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        self._forget(ureq)
+
+    def _forget(self, ureq: _UserRequest) -> None:
+        """Drop the per-sequence state of a request that finished or was aborted."""
         for seq in ureq.seqs.values():
             self._user_request_of.pop(seq.request_id, None)
             if self.speculative is not None:
                 self._drop_drafter_state(seq.request_id)
+            if ureq.request_id in self._constrained:
+                self.matchers.drop(seq.request_id)
+        self._constrained.discard(ureq.request_id)
 
     def request_ids(self) -> list[str]:
         """Ids of the requests not finished yet."""
@@ -453,6 +471,23 @@ class LLMEngine:
         return drained + self._launch_step(final_only, sync=found or not self.async_scheduling)
 
     def _launch_step(self, final_only: bool, sync: bool) -> list[RequestOutput]:
+        drained: list[RequestOutput] = []
+        if self._constrained and self._in_flight is not None:  # masks need every sampled token known
+            drained = self._finish_step(*self._in_flight, final_only)
+            self._in_flight = None
+        return drained + self._schedule_and_launch(final_only, sync)
+
+    def _fill_masks(self, out: SchedulerOutput, step) -> None:
+        """Each constrained sampling target's allowed tokens, from its grammar after its
+        delivered tokens (none pending: ``_launch_step`` drained the step in flight)."""
+        for s, seq in zip(out.seqs, step.seqs):
+            for req, target in zip(s.samplers, seq.samplers):
+                spec = req.sampling_params.structured_outputs
+                if spec is not None:
+                    assert target.prev_pending == 0, "a mask needs every sampled token on the host"
+                    target.allowed = self.matchers.allowed(req.request_id, spec, req.output_token_ids)
+
+    def _schedule_and_launch(self, final_only: bool, sync: bool) -> list[RequestOutput]:
         if self.offload is not None:
             self.offload.install_ready()
         if self._adopter.busy:
@@ -471,7 +506,10 @@ class LLMEngine:
             self.steps += 1
             self.batched_tokens += out.num_batched_tokens
         t0 = time.perf_counter()
-        launched = self.runner.launch(describe_step(out))
+        step = describe_step(out)
+        if self._constrained:
+            self._fill_masks(out, step)
+        launched = self.runner.launch(step)
         if sync:
             outputs = self._finish_step(out, launched, final_only)
             if launched.verify is not None:
@@ -512,6 +550,10 @@ class LLMEngine:
             ureq = self._user_request_of.setdefault(seq.request_id, self._user_requests[seq.parent_id])
             ureq.seqs.setdefault(seq.sample_index, seq)
             ureq.first_token_time = ureq.first_token_time or now
+            spec = seq.sampling_params.structured_outputs
+            if (spec is not None and self.matchers.advance(seq.request_id, spec, seq.output_token_ids)
+                    and not seq.is_finished):  # the grammar is complete: nothing more may follow
+                self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
             self._record(ureq, seq, sampled[seq.request_id])
             touched[ureq.request_id] = ureq
         for rid in out.finished_ids:
@@ -526,10 +568,7 @@ class LLMEngine:
             outputs.append(self._output(ureq, finished, now))
             if finished:
                 self._user_requests.pop(ureq.request_id, None)
-                for seq in ureq.seqs.values():
-                    self._user_request_of.pop(seq.request_id, None)
-                    if self.speculative is not None:
-                        self._drop_drafter_state(seq.request_id)
+                self._forget(ureq)
         if self._pending_pins:
             self._take_pins([o.request_id for o in outputs if o.finished])
         return outputs
@@ -622,3 +661,8 @@ class LLMEngine:
         """Every cached hash after draining, for a subscriber that missed a batch."""
         self.drain_kv_events()  # (a subscriber resyncing from the snapshot needs no earlier batch)
         return self.kv.event_snapshot()
+
+    def top_prefixes(self, n: int = 10) -> list[dict]:
+        """The ``n`` most-hit cached prefixes (``KVCacheManager.top_prefixes``: hashes and
+        counts, no tokens). Scans the cached blocks: call between steps, on demand."""
+        return self.kv.top_prefixes(n)

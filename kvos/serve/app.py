@@ -21,7 +21,9 @@ from kvos.cache.pins import PinInfo
 from kvos.core.sampling_params import SamplingParams
 from kvos.engine.chat import chat_prompt_ids, has_chat_template
 from kvos.engine.client import EngineClient, EngineStopped, RequestStream
+from kvos.serve.chat_tools import ChatTools
 from kvos.serve.errors import APIError, clip, error_response, install_error_handlers
+from kvos.serve.kv_summary import kv_summary_router
 from kvos.serve.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -269,24 +271,32 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         _admit(state, body.model, body.n, "n")
         state.require_tokenizer("messages")
         messages = _messages(body.messages)
+        tools = ChatTools.of(body, state.tokenizer, state.tool_call_parser)
+        messages, template_tools = tools.prompt(messages)
         state.check_fits(_user_text(messages), "messages")
         with state.tokenizing(body.n):
-            ids = await state.tokenizers.run(lambda tok: chat_prompt_ids(tok, messages))
+            ids = await state.tokenizers.run(lambda tok: chat_prompt_ids(tok, messages, tools=template_tools))
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens", "messages")
         top_n = body.top_logprobs or 0
         params = body.sampling_params(body.effective_max_tokens(), body.effective_logprobs(), state.default_sampling)
+        if tools.forced:
+            if params.structured_outputs is not None:
+                raise APIError(400, f"tool_choice: a forced tool call cannot also follow "
+                                    f"{params.structured_outputs.field_name}", param="tool_choice")
+            params.structured_outputs = tools.grammar()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit_all(state, [{"prompt_token_ids": ids}], params, rid, body.priority,
                                     _salt(request, body.cache_salt), bool(body.stream))
         with_ids = _returns_token_ids(state, body)
         if body.stream:
-            return sse_response(chat_chunks(state, rid, streams[0], UsageMode(body), top_n, with_ids))
+            return sse_response(chat_chunks(state, rid, streams[0], UsageMode(body), top_n, with_ids, tools))
         outs = await _collect(state, request, streams)
         observe_finished(state, streams)
-        return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint, with_ids)
+        return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint, with_ids, tools)
 
     app.include_router(v1)
+    app.include_router(kv_summary_router(state, auth))  # GET /v1/kv/summary (kvos top)
 
     @app.post("/invocations", dependencies=auth)
     async def invocations(request: Request):
@@ -404,6 +414,10 @@ def _messages(messages) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         msg = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         for key in ("content", "name"):
             if isinstance(msg.get(key), str):
                 try:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from kvos.core.sampling_params import SamplingParams
-from kvos.serve.errors import clip
+from kvos.core.structured_outputs import StructuredOutputsParams
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
@@ -43,17 +43,39 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: cumulative usage in every chunk
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    """Only ``{"type": "text"}`` is supported (any other type is a 400 naming the field)."""
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
+    ``json_schema`` (``{"name", "schema", "strict"}``; the schema is always enforced)."""
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-    type: str
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
-_UNSUPPORTED = {"tools": "tool (function) calling", "tool_choice": "tool (function) calling",
-                "functions": "function calling", "function_call": "function calling"}
-"""Chat fields that are a 400 naming the field (``tool_choice: "none"`` is accepted, and so is
-``parallel_tool_calls``, meaningless without tools)."""
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` request field: one of ``json``, ``regex``, ``choice``,
+    ``grammar``, ``json_object``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    json_: dict | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_flexible: bool = False
+
+
+_UNSUPPORTED = {"functions": "the legacy function calling (use tools)",
+                "function_call": "the legacy function calling (use tool_choice)"}
+"""Chat fields that are a 400 naming the field."""
 
 
 class _Common(BaseModel):
@@ -82,6 +104,11 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     return_token_ids: bool | None = None
@@ -97,12 +124,37 @@ class _Common(BaseModel):
                 raise ValueError("logit_bias: at most 300 token ids")
             if any(t < 0 for t in self.logit_bias) or any(not -100 <= b <= 100 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format: JSON response formats ({clip(repr(self.response_format.type))}) are "
-                             f"not supported; only {{\"type\": \"text\"}}")
+        self.structured()
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint, from whichever one field gives it (OpenAI's ``response_format``,
+        vLLM's ``structured_outputs`` or its older ``guided_*``); a ValueError naming the field
+        when two are given or one is malformed."""
+        found: list[StructuredOutputsParams] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutputsParams(json_object=True, field_name="response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema: required for type json_schema")
+            found.append(StructuredOutputsParams(json=rf.json_schema.schema_, field_name="response_format.json_schema"))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                                 json_object=bool(so.json_object),
+                                                 whitespace_flexible=so.whitespace_flexible,
+                                                 field_name="structured_outputs"))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append(StructuredOutputsParams(**{key: value}, field_name=name))
+        if len(found) > 1:
+            raise ValueError(f"{found[1].field_name}: give one output constraint, not also {found[0].field_name}")
+        return found[0] if found else None
 
     def engine_seed(self) -> int | None:
         return None if self.seed is None else self.seed % SEED_DOMAIN
@@ -123,7 +175,8 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
-            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, speculative=self.speculative)
+            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, speculative=self.speculative,
+            structured_outputs=self.structured())
 
 
 class CompletionRequest(_Common):
@@ -166,12 +219,36 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str
+
+
+class ToolCallItem(BaseModel):
+    """An assistant turn's earlier call (OpenAI's ``message.tool_calls[i]``)."""
+
+    model_config = STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message holds tool calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message answers a call, named by its tool_call_id")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -185,17 +262,16 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
-    def _no_tools(self):
+    def _no_legacy_functions(self):
         for name, feature in _UNSUPPORTED.items():
-            value = getattr(self, name)
-            if value is not None and not (name == "tool_choice" and value == "none"):
+            if getattr(self, name) is not None:
                 raise ValueError(f"{name}: {feature} is not supported by this server")
         return self
 

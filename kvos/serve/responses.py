@@ -131,11 +131,27 @@ def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, lp:
             "system_fingerprint": fingerprint, "choices": choices, "usage": usage(outs)}
 
 
+def chat_message(c: CompletionOutput, tools=None) -> tuple[dict, str | None]:
+    """The choice's message and finish reason: with active tools (``ChatTools``) the calls found
+    in the reply go to ``tool_calls`` (finish reason ``tool_calls``) and the rest stays content."""
+    reason = finish_reason(c)
+    if tools is None or not tools.active:
+        return {"role": "assistant", "content": c.text}, reason
+    content, calls = tools.parse(c.text)
+    if not calls:
+        return {"role": "assistant", "content": c.text}, reason
+    return ({"role": "assistant", "content": content, "tool_calls": [call.as_openai() for call in calls]},
+            "tool_calls" if reason == "stop" else reason)
+
+
 def chat_body(rid: str, model: str, out: RequestOutput, lp: LogprobFormatter, top_n: int,
-              fingerprint: str, token_ids: bool = False) -> dict:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": lp.chat(c, 0, top_n), "finish_reason": finish_reason(c), "stop_reason": c.stop_reason,
-                **({"prompt_token_ids": out.prompt_token_ids, "token_ids": list(c.token_ids)} if token_ids else {})}
-               for c in out.outputs]
+              fingerprint: str, token_ids: bool = False, tools=None) -> dict:
+    choices = []
+    for c in out.outputs:
+        message, reason = chat_message(c, tools)
+        choices.append({"index": c.index, "message": message, "logprobs": lp.chat(c, 0, top_n),
+                        "finish_reason": reason, "stop_reason": c.stop_reason,
+                        **({"prompt_token_ids": out.prompt_token_ids, "token_ids": list(c.token_ids)}
+                           if token_ids else {})})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "system_fingerprint": fingerprint, "choices": choices, "usage": usage([out])}

@@ -43,6 +43,8 @@ class ServerState:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.num_tokenizing = 0  # sequences admitted and being tokenized (not yet in num_pending)
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.tool_call_parser: str | None = None
+        """How tool calls are read from replies (``--tool-call-parser``); None: from the template."""
         self.ready = False
         self.draining = False
         self.created = int(time.time())

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from kvos.engine.client import EngineStopped, RequestStream
 from kvos.serve.responses import finish_reason, prompt_text, sse, usage
 from kvos.serve.state import ServerState
+from kvos.structured.tool_calls import ToolCallStream
 
 log = logging.getLogger("kvos.serve")
 
@@ -153,7 +154,13 @@ async def completion_chunks(state: ServerState, rid: str, streams: list[RequestS
 
 
 async def chat_chunks(state: ServerState, rid: str, stream: RequestStream, mode: UsageMode,
-                       top_n: int, token_ids: bool = False) -> AsyncIterator[str]:
+                       top_n: int, token_ids: bool = False, tools=None) -> AsyncIterator[str]:
+    """With active tools (``ChatTools``) calls are sent as OpenAI streams them: per call, a
+    ``tool_calls`` delta with its index, id, type and name (arguments ``""``), then one with its
+    arguments; text that may still open a call is held back; the finish reason is ``tool_calls``."""
+    if tools is not None and not tools.active:
+        tools = None
+    splitters: dict[int, ToolCallStream] = {}
     created, model = int(time.time()), state.model_name
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": state.fingerprint}
@@ -174,13 +181,26 @@ async def chat_chunks(state: ServerState, rid: str, stream: RequestStream, mode:
                     yield sse({**base, "choices": [first], **mode.field([out])})
                 t0, k0 = sent_text[c.index], sent_tokens[c.index]
                 delta, reason = c.text[t0:], finish_reason(c)
-                if delta or len(c.token_ids) > k0:
+                calls = []
+                if tools is not None:
+                    split = splitters.setdefault(c.index, ToolCallStream(tools.parser, tools.forced))
+                    delta, calls = split.feed(c.text, reason is not None)
+                    if split.calls and reason == "stop":
+                        reason = "tool_calls"
+                if delta or (len(c.token_ids) > k0 and (tools is None or token_ids)):
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     choice = {"index": c.index, "delta": {"content": delta},
                               "logprobs": state.logprobs.chat(c, k0, top_n), "finish_reason": None}
                     if token_ids:
                         choice["token_ids"] = c.token_ids[k0:]
                     yield sse({**base, "choices": [choice], **mode.field([out])})
+                for call in calls:
+                    n = splitters[c.index].calls.index(call)
+                    head = {**call.as_openai(n), "function": {"name": call.name, "arguments": ""}}
+                    for d in (head, {"index": n, "function": {"arguments": call.arguments}}):
+                        yield sse({**base, "choices": [{"index": c.index, "delta": {"tool_calls": [d]},
+                                                        "logprobs": None, "finish_reason": None}],
+                                   **mode.field([out])})
                 if reason is not None:
                     finished.add(c.index)
                     yield sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,

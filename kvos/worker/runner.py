@@ -364,6 +364,7 @@ class ModelRunner:
                         if last_rows is None:
                             last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
                         self._history(sr, target, last_rows)
+                    sr.allowed = target.allowed
                     sample_rows.append(sr)
                     targets.append(target.request_id)
         ends = np.cumsum(qlens)

@@ -1,5 +1,5 @@
 """Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded generators;
-penalties, logit bias and the min_tokens ban adjust the logits first."""
+penalties, logit bias, the min_tokens ban and structured outputs' masks adjust the logits first."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,7 +26,8 @@ class SampleRow:
     ``output_ids``, the generated tokens known to the host, and ``pending_src``, the row of the
     previous launch's device tokens holding one more generated token (-1: none), for penalties;
     ``prompt_ids`` for the repetition penalty; ``ban_ids``, tokens that cannot be sampled
-    (EOS and stop tokens before ``min_tokens``).
+    (EOS and stop tokens before ``min_tokens``). ``allowed`` (structured outputs, any request):
+    the packed mask of the only tokens that may be sampled (``SampleTarget.allowed``).
     """
 
     row: int
@@ -36,6 +37,7 @@ class SampleRow:
     prompt_ids: list[int] | None = None
     pending_src: int = -1
     ban_ids: list[int] | None = None
+    allowed: bytes | None = None
 
 
 @dataclass
@@ -128,15 +130,36 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidd
 
 def _adjusts(r: SampleRow) -> bool:
     sp = r.params
-    return bool(r.ban_ids or sp.logit_bias or sp.needs_history)
+    return bool(r.ban_ids or sp.logit_bias or sp.needs_history or r.allowed is not None)
+
+
+def apply_allowed_masks(x: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:
+    """Set to -inf, in place, every logit of ``x``'s row ``rows[i]`` whose token is not allowed by
+    ``masks[i]`` (packed int32 words, bit ``t % 32`` of word ``t // 32``; tokens past the
+    words are not allowed). One host-to-device copy of the words; the bits unpack on the device."""
+    dev, V = x.device, x.shape[1]
+    W = max(len(m) for m in masks) // 4
+    words = np.zeros((len(masks), W), np.int32)
+    for i, m in enumerate(masks):
+        words[i, : len(m) // 4] = np.frombuffer(m, np.int32)
+    w = to_device(words, torch.int32, dev)
+    bits = (w[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)) & 1  # [M, W, 32]
+    keep = bits.reshape(len(masks), W * 32).bool()
+    if W * 32 >= V:
+        keep = keep[:, :V]
+    else:
+        keep = torch.cat([keep, keep.new_zeros(len(masks), V - W * 32)], dim=1)
+    idx = to_device(rows, torch.long, dev)
+    x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~keep, float("-inf")))
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
                   prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """A new float32 tensor: ``logits`` (one row per entry of ``rows``) with each row's logit
     bias added, its banned tokens at -inf, then its repetition, frequency and presence
-    penalties applied (vLLM's order). Batched: one host-to-device copy of the index lists, one
-    scatter per kind, a few elementwise ops over the rows that ask for them."""
+    penalties applied (vLLM's order), and last its structured-output mask (``allowed``). Batched:
+    one host-to-device copy of the index lists, one scatter per kind, a few elementwise ops over the
+    rows that ask for them."""
     dev = logits.device
     sel = [i for i, r in enumerate(rows) if _adjusts(r)]
     x = logits[to_device(sel, torch.long, dev)] if len(sel) < len(rows) else logits.clone()
@@ -204,6 +227,9 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
             pr = to_device(pres, torch.float32, dev)[:, None]
             y = y - f * counts - pr * (counts > 0).float()
         x.index_copy_(0, t_pen_rows, y)
+    masked = [j for j, i in enumerate(sel) if rows[i].allowed is not None]
+    if masked:  # last: the mask decides what may be sampled, whatever the bias and penalties did
+        apply_allowed_masks(x, masked, [rows[sel[j]].allowed for j in masked])  # type: ignore[misc]
     if len(sel) < len(rows):
         return logits.index_copy(0, to_device(sel, torch.long, dev), x)
     return x

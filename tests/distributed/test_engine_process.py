@@ -63,6 +63,26 @@ def test_pins_go_through_to_the_engine_process(server):
     assert httpx.delete(f"{url}/{body['id']}").status_code == 404 and httpx.get(url).json()["data"] == []
 
 
+def test_kv_summary_reads_the_engine_process(server):
+    """``GET /v1/kv/summary`` through the process transport: the engine's own pages and its
+    most-hit prefixes (``EngineWorker.top_prefixes``), each row naming its engine."""
+    import random
+
+    rng = random.Random(43)
+    shared = [rng.randrange(1000, 40000) for _ in range(4 * 16)]  # 4 blocks of 16 tokens
+    for tail in ([5, 6, 7], [8, 9, 10]):
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": shared + tail, "max_tokens": 1},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    s = httpx.get(f"{server.url}/v1/kv/summary", params={"top": 100}, timeout=60).json()
+    [engine] = s["engines"]
+    assert engine["up"] and engine["pid"] == engines(server)[0]["pid"] != server.proc.pid
+    assert s["pages"]["total"] == 255 == s["pages"]["free"] + sum(g["pages"] for g in s["groups"])
+    assert s["hit_rate"]["hits_tokens"] >= 64
+    assert any((p["hits"], p["tokens"], p["engine"]) == (1, 64, 0) for p in s["top_prefixes"]), s["top_prefixes"]
+
+
 def test_a_killed_engine_process_ends_its_stream_and_comes_back(server, llm):
     """SIGKILL the engine process mid-stream: the stream ends with an engine_unavailable error
     event and [DONE] (never a hang), the server stays up, the engine process is started anew and

@@ -228,7 +228,7 @@ def test_echoes_are_clipped(server):
     assert r.json()["error"]["param"] == "k" * 100 + "…"
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                               "response_format": {"type": "t" * 10_000}})
-    assert_400(r, "response_format")
+    assert_400(r, "response_format.type")
     assert len(r.content) < 500
     r = httpx.get(f"{server.url}/v1/models/{'m' * 6000}", timeout=60)
     assert r.status_code == 404 and len(r.content) < 2500
