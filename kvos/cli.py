@@ -235,6 +235,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("tiers", "tiers", "later-turn TTFT: recompute vs loading from CPU, disk, Redis", False),
     ("tier-bandwidth", "tier_bandwidth", "CPU-tier block loads into device blocks vs pinned H2D copy", False),
     ("sampling", "sampling", "sampled decoding (top-k/top-p/min-p) vs greedy on the same requests", True),
+    ("structured", "structured", "structured outputs (grammar masks) in a share of the batch vs free decoding", True),
     ("steps", "steps", "time real engine steps (a calibration file for kvos simulate)", True),
     ("hybrid", "hybrid", "hybrid KV layouts side by side: 32K-request capacity, waste, long-context tok/s", True),
     ("kv-speed", "kv_speed", "KV in the model's dtype vs 8 bits: tokens held, long-context tok/s, decode roofline", True),

@@ -127,6 +127,10 @@ class EngineConfig:
         "group": TIERS, "help": "host memory for swapped-out KV (--preemption-mode swap)"})
     random_weights: bool = field(default=False, metadata={
         "help": "draw weights at random from the model's config (benchmarks without real weights)"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "use this model's tokenizer (a GGUF file, HF folder or bundled model name) instead of the "
+                "model's own; its vocabulary must fit the model's (e.g. a random-weight config with a real "
+                "tokenizer)"})
     skip_tokenizer_init: bool = field(default=False, metadata={
         "help": "no tokenizer: prompts are token ids, outputs are token ids with empty text (no detokenizing, "
                 "no stop strings); a model without tokenizer files needs it to be served"})

@@ -29,9 +29,6 @@ class SampleTarget:
     """The prompt (repetition penalty only), else None."""
     ban_ids: list[int] | None = None
     """Tokens that may not be sampled yet (stop and EOS ids before ``min_tokens``)."""
-    allowed: bytes | None = None
-    """Structured outputs: the only tokens that may be sampled, packed (int32 words, bit
-    ``t % 32`` of word ``t // 32`` for token ``t``; tokens past the words are banned)."""
 
 
 @dataclass(slots=True)

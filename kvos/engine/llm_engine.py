@@ -131,11 +131,16 @@ class LLMEngine:
         else:
             path = resolve_model_path(config.model)
             self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
+        if config.tokenizer is not None and not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer))
         self.model_path = path
         device = resolve_device(config.device)
         dtype = parse_dtype(config.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
         self.runner = ModelRunner(path, dtype, torch.device(device), random_weights=config.random_weights)
         mc = self.model_config = self.runner.cfg
+        if self.tokenizer is not None and len(self.tokenizer) > mc.vocab_size:
+            raise ValueError(f"tokenizer: {len(self.tokenizer)} tokens do not fit the model's vocabulary of "
+                             f"{mc.vocab_size}")
         spec = config.speculative_config
         draft_path = None
         if spec is not None and spec.uses_model:
@@ -470,24 +475,19 @@ class LLMEngine:
             self._probe_backoff.record("engine", found)
         return drained + self._launch_step(final_only, sync=found or not self.async_scheduling)
 
+    def _constrained_targets(self, out: SchedulerOutput) -> list[Request]:
+        return [req for s in out.seqs for req in s.samplers if req.sampling_params.structured_outputs is not None]
+
+    def _masks(self, targets: list[Request]):
+        """The allowed tokens of each constrained target, from its grammar after its delivered
+        tokens: call once the step before has been collected (its tokens are delivered)."""
+        return self.matchers.allowed_batch([(r.request_id, r.sampling_params.structured_outputs, r.output_token_ids)
+                                            for r in targets if not r.is_finished])
+
     def _launch_step(self, final_only: bool, sync: bool) -> list[RequestOutput]:
-        drained: list[RequestOutput] = []
-        if self._constrained and self._in_flight is not None:  # masks need every sampled token known
-            drained = self._finish_step(*self._in_flight, final_only)
-            self._in_flight = None
-        return drained + self._schedule_and_launch(final_only, sync)
-
-    def _fill_masks(self, out: SchedulerOutput, step) -> None:
-        """Each constrained sampling target's allowed tokens, from its grammar after its
-        delivered tokens (none pending: ``_launch_step`` drained the step in flight)."""
-        for s, seq in zip(out.seqs, step.seqs):
-            for req, target in zip(s.samplers, seq.samplers):
-                spec = req.sampling_params.structured_outputs
-                if spec is not None:
-                    assert target.prev_pending == 0, "a mask needs every sampled token on the host"
-                    target.allowed = self.matchers.allowed(req.request_id, spec, req.output_token_ids)
-
-    def _schedule_and_launch(self, final_only: bool, sync: bool) -> list[RequestOutput]:
+        """Schedule and launch a step. With constrained targets, the forward pass is queued
+        first; then the step in flight is collected (its tokens reach the grammars), the masks
+        are computed while the device runs the forward pass, and the sampling is queued."""
         if self.offload is not None:
             self.offload.install_ready()
         if self._adopter.busy:
@@ -506,19 +506,23 @@ class LLMEngine:
             self.steps += 1
             self.batched_tokens += out.num_batched_tokens
         t0 = time.perf_counter()
-        step = describe_step(out)
-        if self._constrained:
-            self._fill_masks(out, step)
-        launched = self.runner.launch(step)
+        constrained = self._constrained_targets(out) if self._constrained else []
+        launched = self.runner.launch(describe_step(out), defer_sampling=bool(constrained))
+        drained: list[RequestOutput] = []
+        if constrained:
+            if self._in_flight is not None:
+                drained = self._finish_step(*self._in_flight, final_only)
+                self._in_flight = None
+            self.runner.sample_deferred(launched, *self._masks(constrained))
         if sync:
-            outputs = self._finish_step(out, launched, final_only)
+            outputs = drained + self._finish_step(out, launched, final_only)
             if launched.verify is not None:
                 self.spec_stats.verify_steps += 1
                 self.spec_stats.verify_seconds += time.perf_counter() - t0 - launched.draft_seconds
                 self.spec_stats.draft_seconds += launched.draft_seconds
             return outputs
         previous, self._in_flight = self._in_flight, (out, launched)
-        outputs = self._finish_step(*previous, final_only) if previous is not None else []
+        outputs = drained + (self._finish_step(*previous, final_only) if previous is not None else [])
         if out.is_empty:  # nothing in flight: report its finished requests now
             self._in_flight = None
             outputs += self._finish_step(out, launched, final_only)

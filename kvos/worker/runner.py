@@ -47,6 +47,9 @@ class LaunchedStep:
     """Speculative drafts being verified (their targets are not in ``targets``)."""
     draft_seconds: float = 0.0
     """Time the draft model took to propose this step's drafts."""
+    deferred: tuple[torch.Tensor, list[SampleRow]] | None = None
+    """Logits and rows whose sampling waits for ``ModelRunner.sample_deferred`` (structured
+    outputs' masks, computed on the host while the forward pass runs)."""
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -364,7 +367,6 @@ class ModelRunner:
                         if last_rows is None:
                             last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
                         self._history(sr, target, last_rows)
-                    sr.allowed = target.allowed
                     sample_rows.append(sr)
                     targets.append(target.request_id)
         ends = np.cumsum(qlens)
@@ -413,12 +415,13 @@ class ModelRunner:
         return self.collect(self.launch(step))
 
     @torch.inference_mode()
-    def launch(self, step: StepDescription) -> LaunchedStep:
+    def launch(self, step: StepDescription, defer_sampling: bool = False) -> LaunchedStep:
         """Queue one step on the device (copy-on-write copies, forward pass, sampling) without
         waiting for it. Inputs still pending on the host (async scheduling) are read on the
         device from the tokens sampled by the previous ``launch``, which must therefore be the
         step before this one. Safety rule: launches are serialised on one stream, so a step
-        sees every write of the steps launched before it."""
+        sees every write of the steps launched before it. ``defer_sampling``: queue the forward
+        pass only; ``sample_deferred`` (with the step's masks) must follow before the next launch."""
         for rid in step.finished_ids:
             self._generators.pop(rid, None)
         assert self.kv_buffer is not None, "allocate_kv_cache first"
@@ -451,9 +454,25 @@ class ModelRunner:
         verify = launch_verify(logits, drafts) if drafts else None
         if not sample_rows:
             return LaunchedStep([], None, pending_plp, verify, draft_s)
+        if defer_sampling:
+            return LaunchedStep(targets, None, pending_plp, verify, draft_s, (logits, sample_rows))
         pending = self.sampler.launch(logits, sample_rows, self._last_tokens)
         self._last_tokens, self._last_targets = pending.tokens, targets
         return LaunchedStep(targets, pending, pending_plp, verify, draft_s)
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: LaunchedStep, masked_ids: list[str], words: np.ndarray) -> None:
+        """Queue the sampling of a step launched with ``defer_sampling``: the targets
+        ``masked_ids`` may only sample the tokens their row of ``words`` allows (int32 ``[len,
+        words]``, bit ``t % 32`` of word ``t // 32`` for token ``t``)."""
+        if step.deferred is None:
+            return
+        logits, rows = step.deferred
+        step.deferred = None
+        where = {rid: i for i, rid in enumerate(step.targets)}
+        step.samples = self.sampler.launch(logits, rows, self._last_tokens,
+                                           ([where[r] for r in masked_ids], words))
+        self._last_tokens, self._last_targets = step.samples.tokens, step.targets
 
     def _launch_prompt_logprobs(self, hidden: torch.Tensor, entries: list[PromptLogprobRows],
                                 rows: torch.Tensor, targets: torch.Tensor) -> PendingPromptLogprobs:

@@ -1,5 +1,5 @@
 """Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded generators;
-penalties, logit bias, the min_tokens ban and structured outputs' masks adjust the logits first."""
+structured outputs' masks, penalties, logit bias and the min_tokens ban adjust the logits first."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,8 +26,7 @@ class SampleRow:
     ``output_ids``, the generated tokens known to the host, and ``pending_src``, the row of the
     previous launch's device tokens holding one more generated token (-1: none), for penalties;
     ``prompt_ids`` for the repetition penalty; ``ban_ids``, tokens that cannot be sampled
-    (EOS and stop tokens before ``min_tokens``). ``allowed`` (structured outputs, any request):
-    the packed mask of the only tokens that may be sampled (``SampleTarget.allowed``).
+    (EOS and stop tokens before ``min_tokens``).
     """
 
     row: int
@@ -37,7 +36,6 @@ class SampleRow:
     prompt_ids: list[int] | None = None
     pending_src: int = -1
     ban_ids: list[int] | None = None
-    allowed: bytes | None = None
 
 
 @dataclass
@@ -130,34 +128,37 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidd
 
 def _adjusts(r: SampleRow) -> bool:
     sp = r.params
-    return bool(r.ban_ids or sp.logit_bias or sp.needs_history or r.allowed is not None)
+    return bool(r.ban_ids or sp.logit_bias or sp.needs_history)
 
 
-def apply_allowed_masks(x: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:
-    """Set to -inf, in place, every logit of ``x``'s row ``rows[i]`` whose token is not allowed by
-    ``masks[i]`` (packed int32 words, bit ``t % 32`` of word ``t // 32``; tokens past the
-    words are not allowed). One host-to-device copy of the words; the bits unpack on the device."""
-    dev, V = x.device, x.shape[1]
-    W = max(len(m) for m in masks) // 4
-    words = np.zeros((len(masks), W), np.int32)
-    for i, m in enumerate(masks):
-        words[i, : len(m) // 4] = np.frombuffer(m, np.int32)
-    w = to_device(words, torch.int32, dev)
+AllowedMasks = tuple[list[int], np.ndarray]
+"""Structured outputs' masks for some rows of a batch: (row indices, int32 ``[rows, words]``);
+bit ``t % 32`` of word ``t // 32`` is set when token ``t`` may be sampled (tokens past the words
+may not)."""
+
+
+def apply_allowed_masks(logits: torch.Tensor, allowed: AllowedMasks) -> torch.Tensor:
+    """A new tensor: ``logits`` with every token a masked row does not allow at -inf. One
+    host-to-device copy (row indices and words together); the bits unpack on the device."""
+    rows, words = allowed
+    dev, V = logits.device, logits.shape[1]
+    M, W = words.shape
+    packed = np.empty(M + M * W, np.int32)
+    packed[:M] = rows
+    packed[M:] = words.reshape(-1)
+    t = to_device(packed, torch.int32, dev)
+    idx, w = t[:M].long(), t[M:].view(M, W)
     bits = (w[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)) & 1  # [M, W, 32]
-    keep = bits.reshape(len(masks), W * 32).bool()
-    if W * 32 >= V:
-        keep = keep[:, :V]
-    else:
-        keep = torch.cat([keep, keep.new_zeros(len(masks), V - W * 32)], dim=1)
-    idx = to_device(rows, torch.long, dev)
-    x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~keep, float("-inf")))
+    keep = bits.view(M, W * 32)
+    keep = keep[:, :V] if W * 32 >= V else torch.cat([keep, keep.new_zeros(M, V - W * 32)], dim=1)
+    return logits.index_copy(0, idx, logits.index_select(0, idx).masked_fill(keep == 0, float("-inf")))
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
                   prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """A new float32 tensor: ``logits`` (one row per entry of ``rows``) with each row's logit
     bias added, its banned tokens at -inf, then its repetition, frequency and presence
-    penalties applied (vLLM's order), and last its structured-output mask (``allowed``). Batched:
+    penalties applied (vLLM's order). Batched:
     one host-to-device copy of the index lists, one scatter per kind, a few elementwise ops over the
     rows that ask for them."""
     dev = logits.device
@@ -227,9 +228,6 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
             pr = to_device(pres, torch.float32, dev)[:, None]
             y = y - f * counts - pr * (counts > 0).float()
         x.index_copy_(0, t_pen_rows, y)
-    masked = [j for j, i in enumerate(sel) if rows[i].allowed is not None]
-    if masked:  # last: the mask decides what may be sampled, whatever the bias and penalties did
-        apply_allowed_masks(x, masked, [rows[sel[j]].allowed for j in masked])  # type: ignore[misc]
     if len(sel) < len(rows):
         return logits.index_copy(0, to_device(sel, torch.long, dev), x)
     return x
@@ -259,12 +257,15 @@ class Sampler:
         return self.collect(self.launch(logits, rows, prev_tokens))
 
     def launch(self, logits: torch.Tensor, rows: list[SampleRow],
-               prev_tokens: torch.Tensor | None = None) -> PendingSamples:
+               prev_tokens: torch.Tensor | None = None, allowed: AllowedMasks | None = None) -> PendingSamples:
         """``prev_tokens``: the previous launch's device tokens, read by rows with a
-        ``pending_src``."""
+        ``pending_src``. ``allowed``: structured outputs' masks, by index into ``rows``
+        (applied first: a masked token stays impossible whatever the bias and penalties do)."""
         dev = logits.device
         if [r.row for r in rows] != list(range(logits.shape[0])):
             logits = logits[to_device([r.row for r in rows], torch.long, dev)]
+        if allowed is not None and allowed[0]:
+            logits = apply_allowed_masks(logits, allowed)
         if any(_adjusts(r) for r in rows):
             logits = adjust_logits(logits.float(), rows, prev_tokens)
         greedy = [r.params.greedy for r in rows]  # argmax is the same in the logits' own dtype
