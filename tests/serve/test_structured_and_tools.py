@@ -147,3 +147,14 @@ def test_two_turn_tool_conversation(client):
     assert c.message.content and not c.message.tool_calls and c.finish_reason in ("stop", "length")
     auto = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=30, temperature=0)
     assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_langchain_bind_tools(server):
+    """LangChain's ChatOpenAI reads kvos's calls as it reads OpenAI's."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="unused", temperature=0, max_tokens=60,
+                      max_retries=0)
+    msg = chat.bind_tools(TOOLS, tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert [c["name"] for c in msg.tool_calls] == ["get_weather"]
+    jsonschema.validate(msg.tool_calls[0]["args"], CITY)
