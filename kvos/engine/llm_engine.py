@@ -507,7 +507,8 @@ class LLMEngine:
             self.batched_tokens += out.num_batched_tokens
         t0 = time.perf_counter()
         constrained = self._constrained_targets(out) if self._constrained else []
-        launched = self.runner.launch(describe_step(out), defer_sampling=bool(constrained))
+        step = describe_step(out)
+        launched = self.runner.launch(step, defer_sampling=True) if constrained else self.runner.launch(step)
         drained: list[RequestOutput] = []
         if constrained:
             if self._in_flight is not None:

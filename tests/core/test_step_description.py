@@ -30,10 +30,10 @@ class OverTheWire:
         self._runner = runner
         self.steps = 0
 
-    def launch(self, step: StepDescription):
+    def launch(self, step: StepDescription, **kw):
         data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         self.steps += 1
-        return self._runner.launch(PlainDataUnpickler(io.BytesIO(data)).load())
+        return self._runner.launch(PlainDataUnpickler(io.BytesIO(data)).load(), **kw)
 
     def __getattr__(self, name: str):
         return getattr(self._runner, name)

@@ -1,5 +1,7 @@
 """Gemma 3 270M, a hybrid model (15 sliding-window layers of window 512, 3 full-attention layers),
-in the engine on the CPU in fp32, against transformers on the same GGUF: greedy tokens identical
+in the engine on the CPU in fp32, against transformers' Gemma 3 on the engine's own weights
+(``hf_model_sharing_weights``; tests/models/test_gemma3_model.py holds those weights and the
+config against transformers' own load of the GGUF): greedy tokens identical
 and per-step logits within 1e-3 of the largest, on prompts shorter than and about three times
 the window, whatever the KV layout, block size, prefix caching, prefill chunking, preemption and
 n = 2 forking (the layouts and block sizes on prompts of up to two windows)."""
@@ -37,8 +39,11 @@ def prompt_ids(base):
 
 
 @pytest.fixture(scope="module")
-def reference(gemma_hf, prompt_ids):
-    return [hf_greedy(gemma_hf, ids, NEW_TOKENS) for ids in prompt_ids]
+def reference(base, prompt_ids):
+    from kvos.models.hf_bridge import hf_model_sharing_weights
+
+    hf = hf_model_sharing_weights(base.engine.runner.model).eval()
+    return [hf_greedy(hf, ids, NEW_TOKENS) for ids in prompt_ids]
 
 
 def run(llm: LLM, prompt_ids, n: int = 1):

@@ -15,13 +15,18 @@ PROMPT = ("The river carries leaves toward the sea, and the committee records ev
           "their tents. The capital of France is")
 
 
-def test_gemma_completions_and_group_metrics(gemma_path, gemma_hf):
-    from kvos.models.loader import load_tokenizer
+def test_gemma_completions_and_group_metrics(gemma_path):
+    """The reference is transformers' Gemma 3 on kvos's loaded weights (tests/models/
+    test_gemma3_model.py holds those against transformers' own load of the GGUF)."""
+    from kvos import LLM
+    from kvos.models.hf_bridge import hf_model_sharing_weights
 
-    tok = load_tokenizer(gemma_path)
+    local = LLM(model=str(gemma_path), kv_cache_memory_bytes=16 << 20)
+    tok = local.get_tokenizer()
     ids = tok(PROMPT).input_ids
     assert len(ids) > 32  # two full blocks: both groups cache something
-    ref = tok.decode(hf_greedy(gemma_hf, ids, 8)[0])
+    ref = tok.decode(hf_greedy(hf_model_sharing_weights(local.engine.runner.model).eval(), ids, 8)[0])
+    del local
     server = Server("--model", "gemma-3-270m", "--kv-cache-memory-bytes", str(64 << 20)).wait_ready(timeout=300)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

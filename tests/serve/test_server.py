@@ -21,10 +21,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--max-model-len", "512").wait_ready()
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

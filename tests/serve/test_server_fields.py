@@ -6,7 +6,6 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server import Server
 
 MODEL = "SmolLM2-135M-Instruct"
 REPEAT = "Repeat after me: cat cat cat cat cat cat cat cat"
@@ -14,10 +13,8 @@ CHAT = [{"role": "user", "content": "Reply with just the word yes."}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--max-model-len", "512").wait_ready()
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

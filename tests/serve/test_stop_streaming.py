@@ -9,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvos import SamplingParams
-from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +57,8 @@ def test_streamed_text_is_never_revised_and_equals_the_final_text(llm, reference
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--max-model-len", "512").wait_ready()
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server
 
 
 COMPLETION_PROMPT = "The story of the lighthouse keeper began"

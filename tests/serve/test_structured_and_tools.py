@@ -10,7 +10,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.server import Server
 
 MODEL = "SmolLM2-135M-Instruct"
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -26,10 +25,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--max-model-len", "1024").wait_ready()
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")
