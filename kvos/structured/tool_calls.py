@@ -278,10 +278,7 @@ class ToolCallStream:
             new += calls
             self.sent += stop
         self.calls += new
-        content = "".join(out)
-        if self.calls and not new and not content.strip():
-            content = ""
-        return content, new
+        return "".join(out), new
 
 
 def _partial_suffix(text: str, marker: str) -> int:
