@@ -73,7 +73,7 @@ def reference(llm):
                f"many are left after {i + 1} stops? Answer:" for i in range(6)]
     shared = "You are a careful assistant who answers in one short sentence. " * 4
     batch = [shared + p for p in prompts] + prompts[:2]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # evictions come from the prompts
     return batch, params, [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
 
 

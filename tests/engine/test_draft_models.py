@@ -15,7 +15,7 @@ from tests.support.speculative import CODE, FREE, QUOTE, plain_tokens, tokens
 
 DRAFT = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 4}
 SELF = {"method": "self_draft", "num_draft_layers": 20, "num_speculative_tokens": 3}
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SAME_WEIGHTS_ACCEPTANCE = 0.9
 """The draft file is the target's: only batch-shape numerics can make them disagree (float32)."""
 
@@ -60,7 +60,7 @@ def test_the_draft_s_kv_stays_right_under_the_cache_s_pressures(llm, make_llm, c
     params, prompts = GREEDY, [QUOTE, CODE]
     if case == "chunked_prefill_n2":
         kw["max_num_batched_tokens"] = 24
-        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+        params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, n=2)
     else:  # a pool too small for all four at once: some are preempted
         kw.update(num_blocks=48, block_size=8, preemption_mode=case, swap_space_gb=0.05)
         prompts = [QUOTE, CODE, QUOTE + " the", CODE + "    "]
@@ -74,9 +74,9 @@ def test_the_draft_s_kv_stays_right_under_the_cache_s_pressures(llm, make_llm, c
 
 
 def test_seeded_sampling_with_a_draft_model_reproduces(draft_llm):
-    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True)
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True)
     a = tokens(draft_llm.generate([QUOTE], sp, use_tqdm=False))
-    b = tokens(draft_llm.generate([QUOTE, FREE], [sp, SamplingParams(temperature=1.0, max_tokens=20)],
+    b = tokens(draft_llm.generate([QUOTE, FREE], [sp, SamplingParams(temperature=1.0, max_tokens=10)],
                                   use_tqdm=False))
     assert a[0] == b[0]
 

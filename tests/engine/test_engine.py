@@ -132,9 +132,9 @@ def test_cache_salt_isolates_tenants(llm):
 
 
 def test_priority_scheduling_preempts_the_least_important(make_llm):
-    llm = make_llm(num_blocks=20, scheduling_policy="priority", max_num_seqs=8)
+    llm = make_llm(num_blocks=11, scheduling_policy="priority", max_num_seqs=8)
     prompts = [f"Story {i}: once upon a time there was a robot named R{i} who" for i in range(6)]
-    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)  # 3 blocks each, 10 usable
     outs = llm.generate(prompts, sp, use_tqdm=False, priority=[5, 0, 5, 1, 5, 2])
     assert llm.stats()["preemptions"] > 0
     first_done = sorted(range(6), key=lambda i: outs[i].metrics["finished_time"])

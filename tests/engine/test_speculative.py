@@ -11,7 +11,7 @@ from tests.support.hf_reference import hf_greedy
 from tests.support.speculative import CODE, FREE, QUOTE, plain_tokens, tokens
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_greedy_equals_plain_decoding_and_transformers(llm, spec_llm, hf_model):
     spec = tokens(spec_llm.generate(prompts, GREEDY, use_tqdm=False))
     assert spec == plain
     ids = spec_llm.get_tokenizer()(QUOTE).input_ids
-    assert spec[0] == hf_greedy(hf_model, list(ids), 40)[0]
+    assert spec[0] == hf_greedy(hf_model, list(ids), GREEDY.max_tokens)[0]
     assert spec_llm.engine.spec_stats.accepted > before + 20  # the quoting prompt's drafts were accepted
     again = tokens(spec_llm.generate([QUOTE], GREEDY, use_tqdm=False))  # a prefix hit this time
     assert again[0] == plain[0]
@@ -44,7 +44,7 @@ def test_greedy_equality_under_the_cache_s_pressures(llm, make_llm, spec_llm, ca
         kw.update(num_blocks=24, block_size=8, preemption_mode=case, swap_space_gb=0.05)
         prompts = [QUOTE, CODE, QUOTE + " the", CODE + "    "]
     else:
-        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+        params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, n=2)
     eng = spec_llm if case == "n2" else make_llm(**kw)
     before = eng.engine.spec_stats.accepted
     assert tokens(eng.generate(prompts, params, use_tqdm=False)) == plain_tokens(llm, prompts, params)
@@ -56,14 +56,14 @@ def test_greedy_equality_under_the_cache_s_pressures(llm, make_llm, spec_llm, ca
 
 
 def test_seeded_sampling_reproduces_and_opting_out_skips_speculation(spec_llm):
-    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True)
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True)
     a = tokens(spec_llm.generate([QUOTE], sp, use_tqdm=False))
-    b = tokens(spec_llm.generate([QUOTE, FREE], [sp, SamplingParams(temperature=1.0, max_tokens=20)],
+    b = tokens(spec_llm.generate([QUOTE, FREE], [sp, SamplingParams(temperature=1.0, max_tokens=10)],
                                  use_tqdm=False))
     assert a[0] == b[0]
     stats = spec_llm.engine.spec_stats
     before = stats.verified_seqs
-    off = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculative=False)
+    off = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculative=False)
     spec_llm.generate([QUOTE], off, use_tqdm=False)
     assert stats.verified_seqs == before
     with pytest.raises(ValueError, match="speculative"):
@@ -87,7 +87,7 @@ def test_stop_strings_end_a_verify_step_where_plain_decoding_stops(llm, spec_llm
     plain = llm.generate([QUOTE], GREEDY, use_tqdm=False)[0].outputs[0]
     words = plain.text.split()
     stop = " ".join(words[5:7])  # a stop string in the middle of a run of accepted drafts
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    sp = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, stop=[stop])
     a = llm.generate([QUOTE], sp, use_tqdm=False)[0].outputs[0]
     before = spec_llm.engine.spec_stats.accepted
     b = spec_llm.generate([QUOTE], sp, use_tqdm=False)[0].outputs[0]

@@ -28,8 +28,10 @@ def test_triton_path_matches_torch_path(monkeypatch, config, kv_cache_dtype):
               kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(4)
     shared = torch.randint(3, 4096, (20,), generator=g).tolist()
-    prompts = [shared + torch.randint(3, 4096, (n,), generator=g).tolist() for n in (1, 9, 30)]
-    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    # 21, 26 and 44 tokens: a 24-token budget chunks the 26 and the 44 (the 44 over two steps
+    # that also decode the others); the first 16 tokens are one shared full block
+    prompts = [shared + torch.randint(3, 4096, (n,), generator=g).tolist() for n in (1, 6, 24)]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)  # a prefill token, two decodes
     ref = LLM(**kw).generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
     llm = LLM(**kw)
