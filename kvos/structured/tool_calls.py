@@ -112,16 +112,17 @@ def _call_schema(tool: Tool, fmt: str) -> dict:
 
 def call_grammar(tools: list[Tool], choice: str, parallel: bool, fmt: str) -> str:
     """A Lark grammar (llguidance's, with ``%json`` schemas) for a reply that is only tool calls:
-    one call of the named function, or with ``required`` one call (or, with ``parallel``, one or
-    more) of any tool, each in ``fmt``'s shape."""
+    one call of the named function, or with ``required`` one call (with ``parallel``, one to
+    ``len(tools)``) of any tool, each in ``fmt``'s shape. The cap keeps a small model from
+    repeating calls until ``max_tokens`` (SmolLM2 wrote nine identical calls in 300 tokens)."""
     chosen = [t for t in tools if choice == "function:" + t.name] if choice.startswith("function:") else tools
     schemas = [_call_schema(t, fmt) for t in chosen]
     body = "%json " + json.dumps(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
-    many = parallel and not choice.startswith("function:")
+    extra = len(tools) - 1 if parallel and not choice.startswith("function:") else 0
     if fmt == "llama3_json":
-        more = ' ("; " call)*' if many else ""
+        more = ' ("; " call)?' * extra
         return "start: call" + more + "\ncall: " + body + "\n"
-    more = ' ("\\n" call)*' if many else ""
+    more = ' ("\\n" call)?' * extra
     return ("start: call" + more + "\n"
             'call: "<tool_call>\\n" call_json "\\n</tool_call>"\n'
             "call_json: " + body + "\n")

@@ -57,3 +57,21 @@ def test_tool_and_choice_errors_name_the_field():
         parse_tool_choice({"type": "function", "function": {"name": "nope"}}, TOOLS)
     assert parse_tool_choice(None, TOOLS) == "auto" and parse_tool_choice(None, []) == "none"
     assert pick_parser("{{ '<|python_tag|>' }}") == "llama3_json" and pick_parser(None) == "hermes"
+
+
+def test_forced_calls_are_capped_at_one_per_tool():
+    """A small model repeats calls until max_tokens unless the grammar ends them: with
+    ``required`` the reply holds at most ``len(tools)`` calls."""
+    from kvos.core.structured_outputs import StructuredOutputsParams
+    from kvos.models.loader import default_model_path, load_tokenizer
+    from kvos.structured.grammars import GrammarCompiler
+    from kvos.structured.tool_calls import call_grammar
+
+    tok = load_tokenizer(default_model_path())
+    compiler = GrammarCompiler(tok, tok.eos_token_id, len(tok))
+    one = '<tool_call>\n{"name":"get_weather","arguments":{}}\n</tool_call>'
+    for tools, calls_ok in ((TOOLS[1:], 1), (TOOLS, 2)):
+        m = compiler.matcher(StructuredOutputsParams(grammar=call_grammar(tools, "required", True, "hermes")))
+        for k in range(calls_ok):
+            assert m.consume_tokens(tok(("\n" if k else "") + one, add_special_tokens=False).input_ids)
+        assert m.is_stopped(), f"more than {calls_ok} calls allowed"
