@@ -10,6 +10,7 @@ from kvos.cache import (
     KVBlock,
     KVCacheManager,
 )
+from tests.support.kv_sequences import Seq, run
 
 
 def test_free_queue_o1_operations():
@@ -23,25 +24,6 @@ def test_free_queue_o1_operations():
     assert [b.block_id for b in q] == [0, 1, 3, 4, 2] and len(q) == 5
     with pytest.raises(ValueError):
         q.remove(KVBlock(9))
-
-
-class Seq:
-    def __init__(self, rid, tokens, salt=None):
-        self.request_id, self.all_token_ids, self.cache_salt = rid, list(tokens), salt
-        self.num_computed_tokens = 0
-        self.priority = 0
-
-    @property
-    def num_tokens(self):
-        return len(self.all_token_ids)
-
-
-def run(kv: KVCacheManager, seq: Seq) -> int:
-    hit, n = kv.get_computed_blocks(seq)
-    assert kv.allocate_slots(seq, seq.num_tokens - n, hit)
-    seq.num_computed_tokens = seq.num_tokens
-    kv.cache_blocks(seq)
-    return n
 
 
 def test_prefix_hit_never_covers_last_token():

@@ -20,16 +20,6 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def server(default_server):
-    return default_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
 def test_health_models_and_metrics(server, client):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]

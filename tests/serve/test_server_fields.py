@@ -12,16 +12,6 @@ REPEAT = "Repeat after me: cat cat cat cat cat cat cat cat"
 CHAT = [{"role": "user", "content": "Reply with just the word yes."}]
 
 
-@pytest.fixture(scope="module")
-def server(default_server):
-    return default_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
 def complete(client, prompt=REPEAT, **kw):
     kw = {"max_tokens": 8, "temperature": 0, **kw}
     extra = {k: kw.pop(k) for k in ("repetition_penalty", "min_tokens", "stop_token_ids", "prompt_logprobs")

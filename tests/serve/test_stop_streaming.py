@@ -56,11 +56,6 @@ def test_streamed_text_is_never_revised_and_equals_the_final_text(llm, reference
         assert len(t) <= cut
 
 
-@pytest.fixture(scope="module")
-def server(default_server):
-    return default_server
-
-
 COMPLETION_PROMPT = "The story of the lighthouse keeper began"
 
 
@@ -73,11 +68,6 @@ def server_text(client: openai.OpenAI, endpoint: str, stop: list[str] | None, st
             r.choices[0].message.content
     r = client.completions.create(prompt=COMPLETION_PROMPT, **kw)
     return "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
