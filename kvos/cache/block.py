@@ -13,6 +13,21 @@ from kvos.core.kv_events import BlockHash  # noqa: E402  (re-exported: the cache
 token ids and the extra keys (model, tenant salt), so equal hashes mean equal KV content."""
 
 
+PROMPT_BLOCK, PROMPT_END_BLOCK, GENERATED_BLOCK = 0, 1, 2
+"""``KVBlock.kind``: prompt tokens only; the last full block of the caching request's prompt (the
+prefix a conversation's next turn extends); a block holding generated tokens."""
+
+
+def block_kind(index: int, block_size: int, num_prompt_tokens: int | None) -> int:
+    """``KVBlock.kind`` of a sequence's ``index``-th full block (a prompt of unknown length: prompt)."""
+    if num_prompt_tokens is None:
+        return PROMPT_BLOCK
+    end = (index + 1) * block_size
+    if end > num_prompt_tokens:
+        return GENERATED_BLOCK
+    return PROMPT_END_BLOCK if end + block_size > num_prompt_tokens else PROMPT_BLOCK
+
+
 @dataclass(eq=False, slots=True)
 class KVBlock:
     """Metadata of one physical block.
@@ -34,6 +49,7 @@ class KVBlock:
     num_hits: int = 0  # prefix hits since cached (LFU)
     depth: int = 0  # index of the block in its chain (0: the first block of a prompt)
     priority: int = 0  # the most important (lowest) priority of a request that cached or hit it
+    kind: int = 0  # what the caching request had in it: PROMPT_BLOCK, PROMPT_END_BLOCK or GENERATED_BLOCK
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
+from kvos.cache.block import PROMPT_BLOCK, BlockHash, FreeBlockQueue, KVBlock
 from kvos.cache.eviction import EvictionPolicy, LRUPolicy
 from kvos.cache.listener import BlockPoolListener, PoolOwner
 from kvos.cache.page_pool import LargePagePool
@@ -287,6 +287,8 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
+                    if hit:
+                        self.evictor.on_hit(block, now)
                     if (self._parked.pop(block.block_id, None) is None
                             and self._held.pop(block.block_id, None) is None):
                         self.evictor.remove(block)
@@ -355,9 +357,9 @@ class BlockPool:
                 self.evictor.add(parent)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash, depth: int = 0,
-                         priority: int = 0, adopted: bool = False) -> None:
+                         priority: int = 0, adopted: bool = False, kind: int = PROMPT_BLOCK) -> None:
         """Register a referenced, full block (``depth``-th of its chain, cached by a request of
-        ``priority``; ``adopted``: its KV came from another engine) under its chained hash
+        ``priority``; ``adopted``: its KV came from another engine; ``kind``: ``KVBlock.kind``) under its chained hash
         (no-op if caching is off, the block is already cached, or another block already holds
         this content)."""
         if not self.enable_caching or block.block_hash is not None or block.is_null:
@@ -367,6 +369,7 @@ class BlockPool:
             block.parent_hash = parent_hash
             block.depth = depth
             block.priority = priority
+            block.kind = kind
             block.cached_at = self.clock.tick()
             for listener in self.listeners:
                 listener.block_cached(self.group, block, adopted)

@@ -41,6 +41,11 @@ class EvictionPolicy(ABC):
         waiting request): as if it had never left."""
         self.add(block)
 
+    def on_hit(self, block: KVBlock, now: int) -> None:
+        """A prefix hit at logical time ``now`` takes ``block``, cached and unreferenced (in this
+        policy, parked behind a free child, or held for a waiting request), before its
+        ``last_used`` and ``num_hits`` change. For policies that learn from hits; no-op here."""
+
     @abstractmethod
     def pop(self) -> KVBlock: ...
 
@@ -439,11 +444,6 @@ class BeladyPolicy(_HeapPolicy):
     def key(self, block: KVBlock):
         assert block.block_hash is not None
         return (-self.next_use(block.block_hash), -block.depth, -block.last_used)
-
-
-POLICIES: tuple[str, ...] = online_policies()
-"""The online policies defined here, in the engine and the simulator (``online_policies()`` also
-lists any registered later); ``belady`` (the offline optimum) is the simulator's only."""
 
 
 def make_policy(name: str, next_use: Callable[[BlockHash], float] | None = None, capacity: int = 1024,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from kvos.cache.block import BlockHash, KVBlock
+from kvos.cache.block import BlockHash, KVBlock, block_kind
 from kvos.cache.block_pool import BlockPool
 from kvos.cache.sequence import CacheableSequence
 from kvos.cache.spec import KVCacheSpec
@@ -120,8 +120,10 @@ class FullAttentionManager:
         upto = seq.num_computed_tokens if num_tokens is None else min(num_tokens, seq.num_computed_tokens)
         num_full = min(upto // self.block_size, len(hashes), len(table))
         start = self._num_cached.get(seq.request_id, 0)
+        prompt_len = getattr(seq, "num_prompt_tokens", None)
         for i in range(start, num_full):
-            self.pool.cache_full_block(table[i], hashes[i], hashes[i - 1] if i else root, i, seq.priority)
+            self.pool.cache_full_block(table[i], hashes[i], hashes[i - 1] if i else root, i, seq.priority,
+                                       kind=block_kind(i, self.block_size, prompt_len))
         if num_full > start:
             self._num_cached[seq.request_id] = num_full
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool
-from kvos.cache.eviction import POLICIES, make_policy
+from kvos.cache.eviction import make_policy, online_policies
 from kvos.cache.listener import CachedBlocks
 from kvos.cache.tiers.hierarchy import WRITE_POLICIES
 
@@ -31,8 +31,8 @@ class SimTierConfig:
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
             raise ValueError(f"tier num_blocks must be >= 1, got {self.num_blocks}")
-        if self.policy not in POLICIES or self.policy == "belady":
-            raise ValueError(f"tier policy must be one of {[p for p in POLICIES if p != 'belady']}, "
+        if self.policy not in online_policies():
+            raise ValueError(f"tier policy must be one of {list(online_policies())}, "
                              f"got {self.policy!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"tier write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")

@@ -20,8 +20,10 @@ from hypothesis.stateful import (
 )
 
 from kvos.cache import FullAttentionSpec, KVCacheManager
-from kvos.cache.eviction import POLICIES, make_policy
+from kvos.cache.eviction import make_policy, online_policies
 from kvos.core.kv_events import AllCleared, CachedBlockSet
+
+POLICIES_UNDER_TEST = online_policies()
 
 
 @dataclass(eq=False)
@@ -44,7 +46,7 @@ salts = st.sampled_from([None, "tenant-a", "tenant-b"])
 
 class KVMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 40),
-                policy=st.sampled_from(POLICIES))
+                policy=st.sampled_from(POLICIES_UNDER_TEST))
     def setup(self, block_size: int, num_blocks: int, policy: str) -> None:
         self.bs = block_size
         self.policy = policy

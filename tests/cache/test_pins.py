@@ -11,12 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvos import SamplingParams
-from kvos.cache.eviction import POLICIES
+from kvos.cache.eviction import online_policies
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.pins import PinnedPrefixes
 from kvos.cache.spec import FullAttentionSpec
 from kvos.core.request import Request
 from kvos.scheduler.scheduler import Scheduler, SchedulerConfig
+
+POLICIES_UNDER_TEST = online_policies()
 
 
 def drain(sched: Scheduler) -> None:
@@ -26,7 +28,7 @@ def drain(sched: Scheduler) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16), num_blocks=st.integers(12, 40),
+@given(policy=st.sampled_from(POLICIES_UNDER_TEST), seed=st.integers(0, 2**16), num_blocks=st.integers(12, 40),
        lookahead=st.sampled_from([0, 4]))
 def test_pinned_blocks_survive_pressure(policy, seed, num_blocks, lookahead):
     rng = random.Random(seed)
