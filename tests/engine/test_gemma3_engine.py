@@ -86,7 +86,8 @@ def test_cache_never_changes_the_answer(gemma_path, prompt_ids, reference, optio
     keep = range(4) if "max_num_batched_tokens" in options else (0, 1, 3)
     prompts, expected = [prompt_ids[i] for i in keep], [reference[i][0] for i in keep]
     llm = LLM(model=str(gemma_path), **{"kv_cache_memory_bytes": KV_BYTES, **options})
-    for attempt in range(2 if llm.engine.kv.enable_caching else 1):  # the second pass hits the cache
+    passes = 2 if llm.engine.kv.enable_caching and "num_blocks" not in options else 1
+    for attempt in range(passes):  # the second pass hits the cache (preempted runs hit within the first)
         outs, _ = run(llm, prompts)
         assert [o.outputs[0].token_ids for o in outs] == expected, (options, attempt)
     stats = llm.stats()

@@ -172,14 +172,17 @@ def run_prefill(seqs, group, head_dim, block_size, dtype, seed, window=None, pag
 
 
 def shape_grid() -> list:
-    """GQA group x head_dim x block_size x dtype: all of it on CUDA; under the interpreter all of
-    it in fp32 and a slice in fp16, to keep the CPU run short."""
+    """GQA group x head_dim x block_size x dtype: all of it on CUDA; under the interpreter, to keep
+    the CPU run short, every group x head_dim pair in fp32 with both block sizes for each group and
+    each head_dim (alternating), and a slice in fp16."""
     params = []
     for dtype in DTYPES:
-        for group in (1, 4, 8):
-            for head_dim in (64, 128, 256):
+        for gi, group in enumerate((1, 4, 8)):
+            for di, head_dim in enumerate((64, 128, 256)):
                 for block_size in (16, 32):
-                    if CUDA or dtype == torch.float32 or (group == 4 and block_size == 16):
+                    alternate = block_size == (16, 32)[(gi + di) % 2]
+                    if CUDA or (dtype == torch.float32 and alternate) or (
+                            dtype != torch.float32 and group == 4 and block_size == 16):
                         name = f"g{group}-d{head_dim}-bs{block_size}-{str(dtype)[6:]}"
                         params.append(pytest.param(group, head_dim, block_size, dtype, id=name))
     return params
