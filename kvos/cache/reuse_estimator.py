@@ -10,12 +10,13 @@ For each class the estimator keeps decayed histograms over log-spaced age bucket
 which its blocks were hit and at which they were evicted. From them, the *hit density* at age
 ``a`` (Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing Hit Density", NSDI'18) is
 the expected number of hits a block of that class and age will still get, divided by the
-expected time it will still occupy the cache:
+expected time it will still occupy the cache. With ``n[b] = hits[c][b] + evictions[c][b]``, a
+bucket's events counted at its upper age and ``a`` taken as its bucket's lower age:
 
-    density(c, a) = sum_{b >= a} hits[c][b] / sum_{b >= a} (hits[c][b] + evictions[c][b]) * (age(b) - a + width(b))
+    density(c, a) = (sum_{b >= a} hits[c][b] + 0.01) / (sum_{b >= a} n[b] * (upper(b) - a + 1) + 1)
 
-A class never seen at or beyond an age borrows the density of all classes there (the prior),
-and a pseudo-observation keeps every estimate positive and finite.
+A class never seen at or beyond an age borrows the density of all classes there (the prior);
+the pseudo-counts keep every estimate positive and finite.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ NUM_BUCKETS = 64
 
 _LOWER = [0.0] + [2.0 ** (b / 2) for b in range(1, NUM_BUCKETS)]
 _UPPER = [2.0 ** ((b + 1) / 2) for b in range(NUM_BUCKETS)]
-_MID = [(lo + hi) / 2 for lo, hi in zip(_LOWER, _UPPER)]
 
 
 def age_bucket(age: float) -> int:
