@@ -137,6 +137,10 @@ class EngineConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "fraction of the GPU's memory the engine may use (weights, activations and KV pool)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
+    block_weights: bool = field(default=True, metadata={
+        "flag": "--no-block-weights", "negate": True,
+        "help": "on the CPU, decode-size batches multiply a GGUF's Q4_1/Q8_0 layers as stored, through C kernels "
+                "(AVX2; the same float32 weights, a quarter to a seventh of the bytes); off: float32 copies only"})
     async_scheduling: bool | None = field(default=None, metadata={
         "help": "schedule and queue step N+1 while step N runs (default: on for a CUDA device)"})
     generation_config: str = field(default="auto", metadata={

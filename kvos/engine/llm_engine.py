@@ -136,7 +136,8 @@ class LLMEngine:
         self.model_path = path
         device = resolve_device(config.device)
         dtype = parse_dtype(config.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-        self.runner = ModelRunner(path, dtype, torch.device(device), random_weights=config.random_weights)
+        self.runner = ModelRunner(path, dtype, torch.device(device), random_weights=config.random_weights,
+                                  block_weights=config.block_weights)
         mc = self.model_config = self.runner.cfg
         if self.tokenizer is not None and len(self.tokenizer) > mc.vocab_size:
             raise ValueError(f"tokenizer: {len(self.tokenizer)} tokens do not fit the model's vocabulary of "
@@ -255,7 +256,8 @@ class LLMEngine:
                     else resolve_model_path(spec.model))
         except ValueError as e:
             raise ValueError(f"speculative_config.{e}") from None
-        dcfg, model = load_model(path, dtype, self.runner.device, self.config.random_weights)
+        dcfg, model = load_model(path, dtype, self.runner.device, self.config.random_weights,
+                                 self.config.block_weights)
         if dcfg.vocab_size != mc.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has {dcfg.vocab_size} tokens, "
                              f"the target's {mc.vocab_size}; a draft must share the target's tokenizer")

@@ -13,14 +13,14 @@ import numpy as np
 import torch
 
 
-def _rows(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
+def rows_of(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
     """``raw`` (uint8, read-only memmap allowed) as ``[n_blocks, block_bytes]``, no copy."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": only ever read
         return torch.frombuffer(np.ascontiguousarray(raw).data, dtype=torch.uint8).view(-1, block_bytes)
 
 
-def _half(cols: torch.Tensor) -> torch.Tensor:
+def to_float32(cols: torch.Tensor) -> torch.Tensor:
     """Two bytes per row as the row's float16 value, widened to float32: ``[n, 1]``."""
     return cols.contiguous().view(torch.float16).float()
 
@@ -28,16 +28,16 @@ def _half(cols: torch.Tensor) -> torch.Tensor:
 def _q4_1(raw: np.ndarray) -> torch.Tensor:
     """Blocks of 32: float16 scale d, float16 minimum m, 16 bytes holding quants 0-15 in their
     low nibbles and 16-31 in their high ones; value = d * q + m."""
-    b = _rows(raw, 20)
+    b = rows_of(raw, 20)
     q = b[:, 4:]
     q = torch.cat([q & 15, q >> 4], dim=1).float()
-    return q.mul_(_half(b[:, :2])).add_(_half(b[:, 2:4]))
+    return q.mul_(to_float32(b[:, :2])).add_(to_float32(b[:, 2:4]))
 
 
 def _q8_0(raw: np.ndarray) -> torch.Tensor:
     """Blocks of 32: float16 scale d, 32 signed bytes q; value = d * q."""
-    b = _rows(raw, 34)
-    return b[:, 2:].contiguous().view(torch.int8).float().mul_(_half(b[:, :2]))
+    b = rows_of(raw, 34)
+    return b[:, 2:].contiguous().view(torch.int8).float().mul_(to_float32(b[:, :2]))
 
 
 _FAST = {"Q4_1": _q4_1, "Q8_0": _q8_0}

@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvos.models.config import ModelConfig
 from kvos.models.gguf_index import gguf_index
@@ -30,21 +31,9 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d_out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(d_out, *rest)
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and dequantized float32 weights keyed by HF parameter names, in HF's convention:
-    llama/mistral q/k rows un-permuted; gemma3 norm weights, which llama.cpp stores as ``1 + w``,
-    returned as ``w`` (``stored - 1``, as transformers' GGUF loader does; the model adds 1 back)."""
-    from gguf import GGMLQuantizationType
-
-    from kvos.models.gguf_dequant import dequantize
-
-    path = Path(path)
-    index = gguf_index(path)
-    cfg, arch = index.config, index.arch
-    data = np.memmap(path, mode="r")
-    permuted = arch in ("llama", "mistral")
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
-    weights: dict[str, np.ndarray] = {}
+def _hf_tensors(index, data: np.ndarray):
+    """(HF name, GGUF entry, raw bytes or values as stored) of each tensor kvos loads."""
+    layer_names = _GEMMA3_LAYER_NAMES if index.arch == "gemma3" else _LAYER_NAMES
     for t in index.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
@@ -56,17 +45,60 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             name = _GLOBAL_NAMES[t.name]
         else:
             continue
+        yield name, t, np.ndarray(t.shape, dtype=np.dtype(t.dtype), buffer=data, offset=t.offset)
+
+
+def _rotary_heads(index, gguf_name: str) -> int | None:
+    """Heads of a q/k tensor that llama.cpp stored with its rotary row permutation, else None."""
+    if index.arch not in ("llama", "mistral") or kind_of(gguf_name) not in ("attn_q", "attn_k"):
+        return None
+    return index.config.num_heads if kind_of(gguf_name) == "attn_q" else index.config.num_kv_heads
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and dequantized float32 weights keyed by HF parameter names, in HF's convention:
+    llama/mistral q/k rows un-permuted; gemma3 norm weights, which llama.cpp stores as ``1 + w``,
+    returned as ``w`` (``stored - 1``, as transformers' GGUF loader does; the model adds 1 back)."""
+    from gguf import GGMLQuantizationType
+
+    from kvos.models.gguf_dequant import dequantize
+
+    path = Path(path)
+    index = gguf_index(path)
+    weights: dict[str, np.ndarray] = {}
+    for name, t, raw in _hf_tensors(index, np.memmap(path, mode="r")):
         try:
-            raw = np.ndarray(t.shape, dtype=np.dtype(t.dtype), buffer=data, offset=t.offset)
             w = dequantize(raw, GGMLQuantizationType(t.ggml_type))
         except Exception as e:
             raise ValueError(f"model: tensor {t.name} of {path} cannot be read ({e})") from e
-        if permuted and kind_of(t.name) in ("attn_q", "attn_k"):
-            w = _unpermute(w, cfg.num_heads if kind_of(t.name) == "attn_q" else cfg.num_kv_heads)
-        if arch == "gemma3" and t.name.endswith("norm.weight"):
+        heads = _rotary_heads(index, t.name)
+        if heads is not None:
+            w = _unpermute(w, heads)
+        if index.arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         weights[name] = w
-    return cfg, weights
+    return index.config, weights
+
+
+def load_gguf_blocks(path: str | Path) -> dict:
+    """The 2-D weights stored in a block format the CPU kernels take (``gguf_blocks``), keyed by
+    HF name, rows in HF's order (q/k un-permuted as in ``load_gguf``); others are left out."""
+    from gguf import GGMLQuantizationType
+
+    from kvos.models.gguf_blocks import block_weight
+
+    path = Path(path)
+    index = gguf_index(path)
+    blocks = {}
+    for name, t, raw in _hf_tensors(index, np.memmap(path, mode="r")):
+        w = block_weight(raw, GGMLQuantizationType(t.ggml_type)) if name.endswith(".weight") else None
+        if w is None:
+            continue
+        heads = _rotary_heads(index, t.name)
+        if heads is not None:
+            w = w.rows(torch.from_numpy(_unpermute(np.arange(w.shape[0]), heads)))
+        blocks[name] = w
+    return blocks
 
 
 def kind_of(gguf_name: str) -> str:

@@ -207,3 +207,28 @@ def load_shared_weights(model: nn.Module, weights: dict[str, torch.Tensor], put_
         gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
         put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
         put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+
+
+def attach_block_weights(model: nn.Module, blocks: dict) -> int:
+    """Give the Llama/Gemma linear layers the block-quantized forms of their weights
+    (``BlockQuantWeight`` by HF name, from the same file as the float weights): fused q/k/v and
+    gate/up where all their parts are present and of one form, o_proj, down_proj, and lm_head
+    (from the embeddings when tied). Returns how many layers took them."""
+    from kvos.kernels.cpu.quant_matmul import BlockQuantWeight
+
+    def fused(layer: ops.Linear, names: list[str]) -> int:
+        parts = [blocks.get(n) for n in names]
+        if any(p is None for p in parts) or len({p.form for p in parts}) != 1:
+            return 0
+        layer.attach_blocks(parts[0] if len(parts) == 1 else BlockQuantWeight.cat(parts))
+        return 1
+
+    head = "model.embed_tokens.weight" if model.lm_head.weight is model.embed_tokens.weight else "lm_head.weight"
+    n = fused(model.lm_head, [head])
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        n += fused(layer.self_attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
+        n += fused(layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"])
+        n += fused(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        n += fused(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
+    return n

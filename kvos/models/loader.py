@@ -166,14 +166,18 @@ def _materialize(model: torch.nn.Module, device: torch.device | str) -> torch.nn
 
 
 @functools.lru_cache(maxsize=2)
-def load_model(path: Path, dtype: torch.dtype, device: torch.device,
-               random_weights: bool = False) -> tuple[ModelConfig, torch.nn.Module]:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, random_weights: bool = False,
+               block_weights: bool = True) -> tuple[ModelConfig, torch.nn.Module]:
     """Build the model with its weights. Cached per arguments: engines in one process share
     read-only weights (the runner only calls it under ``torch.inference_mode``).
 
     ``random_weights``: ``path`` is a config.json; weights are drawn on the device itself
     (normal, std 0.02 like HF's initializer; norms at one, Gemma's ``1 + w`` norms see
-    ``Gemma3ForCausalLM.RANDOM_NORM_STD``) from a fixed seed, so two loads give the same model."""
+    ``Gemma3ForCausalLM.RANDOM_NORM_STD``) from a fixed seed, so two loads give the same model.
+
+    ``block_weights``: a GGUF model in float32 on the CPU also keeps the layers stored in a
+    format the CPU kernels take (``gguf_blocks``) in that form, for decode-size products
+    (``ops.Linear``); the float32 weights stay for larger batches."""
     if random_weights:
         cfg = ModelConfig.from_hf(json.loads(path.read_text()), name=path.stem)
         with torch.device("meta"), _skip_weight_init():
@@ -190,6 +194,13 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
         model.load_hf_weights(weights)
         del weights
         model = cast_model(model, dtype).to(device=device)
+        if block_weights and not path.is_dir() and device.type == "cpu" and dtype == torch.float32:
+            from kvos.kernels.cpu.quant_matmul import kernels_available
+            from kvos.models.gguf_loader import load_gguf_blocks
+            from kvos.models.llama import attach_block_weights
+
+            if kernels_available():
+                attach_block_weights(model, load_gguf_blocks(path))
     model.eval()
     model.setup_rope(device)
     return cfg, model

@@ -9,6 +9,10 @@ import os
 
 import torch
 
+from kvos.kernels.cpu import elementwise as cpu_kernels
+from kvos.kernels.cpu.quant_matmul import BlockQuantWeight, kernels_available
+from kvos.kernels.cpu.quant_matmul import matmul as quant_matmul
+
 
 @functools.cache
 def triton_enabled() -> bool:
@@ -29,6 +33,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         from kvos.kernels.elementwise import rms_norm as kernel
 
         return kernel(x, weight, eps, residual)
+    if x.device.type == "cpu" and cpu_kernels.applies(x, weight, *(() if residual is None else (residual,))):
+        return cpu_kernels.rms_norm(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None):
+    """``rms_norm`` in torch operations: the definition the kernels are tested against."""
     if residual is not None:
         x = x + residual
     dtype = x.dtype
@@ -46,6 +58,14 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
         from kvos.kernels.elementwise import rotary_embedding
 
         return rotary_embedding(positions, q, k, cos, sin)
+    if q.device.type == "cpu" and cpu_kernels.applies(q, k, cos, sin):
+        return cpu_kernels.rotary(positions, q, k, cos, sin)
+    return rotary_reference(positions, q, k, cos, sin)
+
+
+def rotary_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary`` in torch operations: the definition the kernels are tested against."""
     c = cos[positions].unsqueeze(1).to(q.dtype)
     s = sin[positions].unsqueeze(1).to(q.dtype)
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
@@ -101,16 +121,40 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 FEW_ROWS = 64
 """From 2 to this many rows, a float32 CPU linear layer multiplies ``W @ x^T`` (``Linear``)."""
 
+BLOCK_WEIGHT_ROWS = 64
+"""Up to this many rows, a CPU linear layer with block-quantized weights uses them (``Linear``)."""
+
 
 class Linear(torch.nn.Linear):
-    """``nn.Linear`` whose float32 CPU product for 2 to ``FEW_ROWS`` rows is computed as
-    ``(W @ x^T)^T``. MKL's sgemm for ``x @ W^T`` repacks all of ``W`` on every call, which for a
-    few rows costs more than the product: on the 2-core VM, SmolLM2's 113 MB output layer at 6
-    rows took 45 ms that way and 15 ms this way, a decoder layer's four products 2.9 and 2.1 ms.
-    Same weights, same state dict; other devices and larger batches use ``nn.Linear``'s path."""
+    """``nn.Linear`` with two CPU paths for float32 inputs of few rows (decode steps):
+
+    - ``blocks`` set (GGUF weights as stored, ``attach_blocks``) and the C kernels built: up to
+      ``BLOCK_WEIGHT_ROWS`` rows multiply the block-quantized weights, whose float32 values equal
+      ``weight`` exactly (a quarter to a seventh of its bytes read per step);
+    - otherwise, 2 to ``FEW_ROWS`` rows compute ``(W @ x^T)^T``. MKL's sgemm for ``x @ W^T``
+      repacks all of ``W`` on every call, which for a few rows costs more than the product: on
+      the 2-core VM, SmolLM2's 113 MB output layer at 6 rows took 45 ms that way and 15 ms this
+      way, a decoder layer's four products 2.9 and 2.1 ms.
+    Other devices, dtypes and larger batches use ``nn.Linear``'s path on ``weight``."""
+
+    blocks: BlockQuantWeight | None = None
+
+    def attach_blocks(self, blocks: BlockQuantWeight) -> None:
+        """Use ``blocks`` for few-row CPU products. Only valid when ``dequantize(blocks)`` equals
+        ``weight`` (the caller's contract: both come from the same stored tensor)."""
+        if tuple(blocks.shape) != tuple(self.weight.shape):
+            raise ValueError(f"block weights {tuple(blocks.shape)} do not match the layer's "
+                             f"{tuple(self.weight.shape)}")
+        self.blocks = blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not 1 < x.shape[0] <= FEW_ROWS:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
             return super().forward(x)
-        out = torch.mm(self.weight, x.t()).t().contiguous()
+        rows = x.shape[0]
+        if self.blocks is not None and 0 < rows <= BLOCK_WEIGHT_ROWS and kernels_available():
+            out = quant_matmul(x, self.blocks)
+        elif 1 < rows <= FEW_ROWS:
+            out = torch.mm(self.weight, x.t()).t().contiguous()
+        else:
+            return super().forward(x)
         return out if self.bias is None else out.add_(self.bias)

@@ -61,12 +61,16 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
-    """Triton kernels on a CUDA GPU where triton is installed; the torch reference elsewhere
-    (and whenever ``KVOS_TRITON=0``)."""
+    """Triton kernels on a CUDA GPU where triton is installed (unless ``KVOS_TRITON=0``); on the
+    CPU the C decode kernel where it is built (``CpuBackend``); the torch reference elsewhere."""
     if device.type == "cuda" and triton_enabled():
         from kvos.worker.triton_attention import TritonBackend
 
         return TritonBackend()
+    if device.type == "cpu":
+        from kvos.worker.cpu_attention import CpuBackend
+
+        return CpuBackend()
     return TorchReferenceBackend()
 
 
@@ -93,10 +97,11 @@ class ModelRunner:
     """
 
     def __init__(self, model_path: Path, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend | None = None, random_weights: bool = False) -> None:
+                 backend: AttentionBackend | None = None, random_weights: bool = False,
+                 block_weights: bool = True) -> None:
         self.device = device
         self.dtype = dtype
-        self.cfg, self.model = load_model(model_path, dtype, device, random_weights)
+        self.cfg, self.model = load_model(model_path, dtype, device, random_weights, block_weights)
         self.backend = backend or default_backend(device)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()

@@ -1,0 +1,81 @@
+/* Decode attention over a paged float32 KV cache on x86-64 CPUs (AVX2 + FMA).
+ *
+ * One query token per sequence attends keys at positions max(0, len - window) .. len - 1 of its
+ * blocks (window 0: all). Cache element (block, token, head, d) lies at
+ * base + block * sb + token * st + head * sh + d. Grouped-query heads sharing a KV head read
+ * each key and value once. The softmax is computed a block at a time (running maximum,
+ * rescaled sums) in float32 with expf; the result matches the masked float32 softmax up to the
+ * rounding of the sums' order.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* acc = acc * c + p * v */
+static inline void scale_axpy(float *acc, float c, float p, const float *v, int64_t D) {
+    const __m256 C = _mm256_set1_ps(c), P = _mm256_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(P, _mm256_loadu_ps(v + d),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(acc + d), C)));
+}
+
+/* q, out: [nseq, nh, D] contiguous; tables [nseq, table_stride] int32; D a multiple of 8. */
+void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nkv, int64_t D,
+                            const float *kc, const float *vc, int64_t sb, int64_t st, int64_t sh,
+                            const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                            int64_t block_size, int64_t window, float scale, float *out,
+                            int nthreads) {
+    const int64_t group = nh / nkv;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t job = 0; job < nseq * nkv; job++) {
+        const int64_t s = job / nkv, g = job % nkv;
+        const int64_t len = seq_lens[s];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        float *scores = malloc(sizeof(float) * group * block_size);
+        float *acc = calloc(group * D, sizeof(float));
+        float *mx = malloc(sizeof(float) * group), *sum = calloc(group, sizeof(float));
+        for (int64_t i = 0; i < group; i++) mx[i] = -INFINITY;
+        const float *qs = q + (s * nh + g * group) * D;
+        for (int64_t t0 = start; t0 < len;) {
+            const int64_t b = t0 / block_size;
+            const int64_t t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
+            const int64_t blk = tables[s * table_stride + b];
+            const float *kb = kc + blk * sb + g * sh, *vb = vc + blk * sb + g * sh;
+            for (int64_t i = 0; i < group; i++) {
+                float *sc = scores + i * block_size, m = mx[i];
+                for (int64_t t = t0; t < t1; t++) {
+                    sc[t - t0] = dot(qs + i * D, kb + (t % block_size) * st, D) * scale;
+                    if (sc[t - t0] > m) m = sc[t - t0];
+                }
+                const float c = expf(mx[i] - m);  /* 0 on the first block (exp(-inf)) */
+                float *a = acc + i * D;
+                float l = sum[i] * c;
+                for (int64_t t = t0; t < t1; t++) {
+                    const float p = expf(sc[t - t0] - m);
+                    l += p;
+                    scale_axpy(a, t == t0 ? c : 1.0f, p, vb + (t % block_size) * st, D);
+                }
+                sum[i] = l;
+                mx[i] = m;
+            }
+            t0 = t1;
+        }
+        for (int64_t i = 0; i < group; i++) {
+            const float inv = sum[i] > 0 ? 1.0f / sum[i] : 0.0f;
+            float *o = out + (s * nh + g * group + i) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
+        }
+        free(scores); free(acc); free(mx); free(sum);
+    }
+}

@@ -1,0 +1,136 @@
+/* Block-quantized weight products on x86-64 CPUs (AVX2 + FMA), float32 activations.
+ *
+ * Weights keep GGUF's blocks of 32 along K, one float32 scale D (and, for the 4-bit form, one
+ * float32 minimum M) per block:
+ *   u4 form: w = q * D + M, q in 0..15, two per byte (a block's elements 0-15 in the low nibbles
+ *            of its 16 bytes, 16-31 in the high ones: GGUF's Q4_1 / Q4_K order);
+ *   i8 form: w = q * D, q a signed byte (Q8_0, Q5_0, Q4_0, Q6_K once expanded).
+ * Each weight is rebuilt in float32 with one rounding per operation, the same operations in the
+ * same order as the float32 dequantization of the GGUF formats (multiply, then add: this file
+ * is built with -ffp-contract=off, so no multiply-add is fused except the explicit ones that
+ * accumulate products), so the product uses exactly the weights of the float32 model; only the
+ * order of the sum over K differs from a BLAS call.
+ *
+ * out[M, N] = x[M, K] @ W[N, K]^T. K is a multiple of 32. Rows of W are split over threads;
+ * each row of W is rebuilt once per group of up to 4 rows of x, which stays in L1.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 u8x8_to_ps(__m128i bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+}
+
+static inline __m256 i8x8_to_ps(__m128i bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+/* One row n of W against R rows of x (R = 1..4). */
+#define U4_ROW(R)                                                                         \
+    static void u4_row_##R(const float *x, int64_t K, const uint8_t *q, const float *d,    \
+                           const float *m, float *out, int64_t N) {                        \
+        enum { NA = R == 1 ? 4 : R == 2 ? 2 : 1 }; /* independent sums per row */           \
+        __m256 acc[R][NA];                                                                 \
+        for (int r = 0; r < R; r++)                                                        \
+            for (int a = 0; a < NA; a++) acc[r][a] = _mm256_setzero_ps();                  \
+        const __m128i low = _mm_set1_epi8(0x0F);                                           \
+        for (int64_t b = 0; b < K / 32; b++) {                                             \
+            const __m256 D = _mm256_set1_ps(d[b]), Mn = _mm256_set1_ps(m[b]);              \
+            const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16));              \
+            const __m128i lo = _mm_and_si128(v, low);                                      \
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);                   \
+            __m256 w[4];                                                                   \
+            w[0] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(lo), D), Mn);                     \
+            w[1] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), D), Mn);  \
+            w[2] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(hi), D), Mn);                     \
+            w[3] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), D), Mn);  \
+            for (int r = 0; r < R; r++) {                                                  \
+                const float *xb = x + r * K + b * 32;                                      \
+                for (int j = 0; j < 4; j++)                                                \
+                    acc[r][j % NA] =                                                       \
+                        _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % NA]);\
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < R; r++) {                                                      \
+            for (int a = 1; a < NA; a++) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][a]);  \
+            out[r * N] = hsum(acc[r][0]);                                                  \
+        }                                                                                  \
+    }
+U4_ROW(1)
+U4_ROW(2)
+U4_ROW(3)
+U4_ROW(4)
+
+#define I8_ROW(R)                                                                         \
+    static void i8_row_##R(const float *x, int64_t K, const int8_t *q, const float *d,     \
+                           float *out, int64_t N) {                                        \
+        enum { NA = R == 1 ? 4 : R == 2 ? 2 : 1 }; /* independent sums per row */           \
+        __m256 acc[R][NA];                                                                 \
+        for (int r = 0; r < R; r++)                                                        \
+            for (int a = 0; a < NA; a++) acc[r][a] = _mm256_setzero_ps();                  \
+        for (int64_t b = 0; b < K / 32; b++) {                                             \
+            const __m256 D = _mm256_set1_ps(d[b]);                                         \
+            const int8_t *qb = q + b * 32;                                                 \
+            __m256 w[4];                                                                   \
+            for (int j = 0; j < 4; j++)                                                    \
+                w[j] = _mm256_mul_ps(                                                      \
+                    i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(qb + 8 * j))), D);        \
+            for (int r = 0; r < R; r++) {                                                  \
+                const float *xb = x + r * K + b * 32;                                      \
+                for (int j = 0; j < 4; j++)                                                \
+                    acc[r][j % NA] =                                                       \
+                        _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % NA]);\
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < R; r++) {                                                      \
+            for (int a = 1; a < NA; a++) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][a]);  \
+            out[r * N] = hsum(acc[r][0]);                                                  \
+        }                                                                                  \
+    }
+I8_ROW(1)
+I8_ROW(2)
+I8_ROW(3)
+I8_ROW(4)
+
+/* x [M, K], q [N, K/2] bytes, d and m [N, K/32], out [M, N]. */
+void u4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
+               const float *m, int64_t N, float *out, int nthreads) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qn = q + n * (K / 2);
+        const float *dn = d + n * nb, *mn = m + n * nb;
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) u4_row_4(x + r * K, K, qn, dn, mn, out + r * N + n, N);
+        switch (M - r) {
+        case 3: u4_row_3(x + r * K, K, qn, dn, mn, out + r * N + n, N); break;
+        case 2: u4_row_2(x + r * K, K, qn, dn, mn, out + r * N + n, N); break;
+        case 1: u4_row_1(x + r * K, K, qn, dn, mn, out + r * N + n, N); break;
+        }
+    }
+}
+
+/* x [M, K], q [N, K] signed bytes, d [N, K/32], out [M, N]. */
+void i8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float *d,
+               int64_t N, float *out, int nthreads) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qn = q + n * K;
+        const float *dn = d + n * nb;
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) i8_row_4(x + r * K, K, qn, dn, out + r * N + n, N);
+        switch (M - r) {
+        case 3: i8_row_3(x + r * K, K, qn, dn, out + r * N + n, N); break;
+        case 2: i8_row_2(x + r * K, K, qn, dn, out + r * N + n, N); break;
+        case 1: i8_row_1(x + r * K, K, qn, dn, out + r * N + n, N); break;
+        }
+    }
+}
