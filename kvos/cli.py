@@ -243,6 +243,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("routing", "routing", "routers across 4-64 simulated engines: hit rate, TTFT, load imbalance (Mooncake)", False),
     ("fleet", "fleet", "several engines behind one router on multi-turn chats: hit rate, TTFT, throughput; prefill/decode transfer", True),
     ("speculative", "speculative", "one stream with and without speculation (n-gram or a draft model): tok/s, tokens per step, acceptance", True),
+    ("cpu", "cpu_stream", "one CPU stream: kvos, kvos on float32 weights, transformers and llama.cpp on one GGUF", False),
     ("kv-quant", "kv_quant", "quantized KV accuracy vs the model's dtype: greedy agreement, logit error, perplexity", False),
 ]
 
