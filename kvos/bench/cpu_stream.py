@@ -165,9 +165,11 @@ def run(a: argparse.Namespace) -> dict:
         if kv and lc:
             result.setdefault("kvos_over_llama_cpp_decode", {})[str(threads)] = round(
                 kv["decode_tok_s"] / lc["decode_tok_s"], 3)
+    result["summary"] = {f"{r['engine']} ({r['threads']} thr)": f"decode {r['decode_tok_s']} tok/s, ttft {r['ttft_s']} s"
+                         for r in rows.values()}
+    result["summary"]["machine"] = f"{result['machine']['cpu']} ({result['machine']['cores']} cores)"
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
     print(f"saved {out}")
     return result

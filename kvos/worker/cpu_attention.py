@@ -1,14 +1,19 @@
 """The CPU backend: the torch reference, with decodes over float32 caches in a C kernel."""
 from __future__ import annotations
 
-from kvos.kernels.cpu.paged_attention import decode_attention, supports
+from kvos.kernels.cpu.paged_attention import decode_attention, supports, write_kv
 from kvos.worker.torch_attention import TorchReferenceBackend
 
 
 class CpuBackend(TorchReferenceBackend):
-    """Decode rows attend through ``kernels.cpu.paged_attention`` (reading K/V in place through
-    the block tables) where it applies; quantized caches, other dtypes and prefills take the
-    torch reference's path."""
+    """On float32 caches, new K/V are written and decode rows attend through
+    ``kernels.cpu.paged_attention`` (reading K/V in place through the block tables); quantized
+    caches, other dtypes and prefill attention take the torch reference's path."""
+
+    def _write(self, k, v, cache, slot_mapping):
+        if cache.quantized or not supports(k, cache.k, cache.v):
+            return super()._write(k, v, cache, slot_mapping)
+        write_kv(k, v, cache.k, cache.v, slot_mapping)
 
     def _decode(self, q, cache, meta, scale, window):
         if cache.quantized or not supports(q, cache.k, cache.v):

@@ -36,7 +36,7 @@ class TorchReferenceBackend(AttentionBackend):
     """
 
     def forward(self, q, k, v, cache, meta, scale, window=None):
-        write_kv(k, v, cache, meta.slot_mapping)
+        self._write(k, v, cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -48,6 +48,9 @@ class TorchReferenceBackend(AttentionBackend):
                                            meta.block_size, scale, window)
             t += n
         return out
+
+    def _write(self, k, v, cache: KVCache, slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, cache, slot_mapping)
 
     DECODE_GROUP = 16
     """Decodes are padded per group of this many sequences of similar length, not to the

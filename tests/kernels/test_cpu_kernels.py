@@ -135,6 +135,22 @@ def test_paged_decode_attention_equals_the_torch_reference(heads, kv_heads, dim,
         torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-6)
 
 
+def test_paged_write_equals_the_torch_reference_write():
+    from kvos.kernels.cpu.paged_attention import write_kv
+    from kvos.models.attention import KVCache
+    from kvos.worker.torch_attention import write_kv as reference_write
+
+    k, v = _paged_cache(8, 4, 2, 32)
+    k2, v2 = k.clone(), v.clone()
+    kv = torch.randn(5, 3, 2, 32)  # row-strided k and v views, as split from a fused projection
+    slots = torch.tensor([7, 0, -1, 31, 12])  # -1: a padding row, never written
+    write_kv(kv[:, 0], kv[:, 1], k, v, slots)
+    keep = slots >= 0
+    reference_write(kv[keep, 0], kv[keep, 1], KVCache(k2, v2), slots[keep])
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert torch.equal(k[1, 3], kv[0, 0]) and torch.equal(v[3, 0], kv[4, 1])  # slots 7 and 12
+
+
 def test_rotary_is_bit_exact_and_norm_within_rounding():
     from kvos.models import ops
 

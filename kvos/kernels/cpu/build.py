@@ -80,6 +80,8 @@ def library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr,
                                            i64, i64, f32, ptr, ctypes.c_int]
     lib.paged_decode_attention.restype = None
+    lib.paged_write.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64]
+    lib.paged_write.restype = None
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, f32, ptr, i64, i64, ctypes.c_int]
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]

@@ -79,3 +79,20 @@ void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nk
         free(scores); free(acc); free(mx); free(sum);
     }
 }
+
+/* Token t's rows src[t] ([heads, D], row stride src_stride elements, head stride D) into cache
+ * slot slots[t] (block slots[t] / block_size, offset slots[t] % block_size); slot -1 (padding)
+ * is skipped. */
+void paged_write(const float *src, int64_t T, int64_t heads, int64_t D, int64_t src_stride,
+                 float *cache, int64_t sb, int64_t st, int64_t sh, const int64_t *slots,
+                 int64_t block_size) {
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        float *dst = cache + (slots[t] / block_size) * sb + (slots[t] % block_size) * st;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *s = src + t * src_stride + h * D;
+            float *o = dst + h * sh;
+            for (int64_t d = 0; d < D; d++) o[d] = s[d];
+        }
+    }
+}

@@ -33,3 +33,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ta
         k.stride(2), tables.data_ptr(), tables.stride(0), lens.data_ptr(), k.shape[1], window or 0, scale,
         out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Token t's k/v ``[T, KVH, D]`` (row-strided views allowed) into flat slot
+    ``slot_mapping[t]`` of ``cache_k``/``cache_v`` (``[blocks, block_size, KVH, D]``); slot -1 is
+    skipped. Slots must lie inside the caches (unchecked) and belong to blocks only this step's
+    sequences write. Needs ``supports(k, cache_k, cache_v)``."""
+    slots = slot_mapping.to(torch.int64).contiguous()
+    t, heads, dim = k.shape
+    for x, cache in ((k, cache_k), (v, cache_v)):
+        if x.stride(2) != 1 or x.stride(1) != dim:
+            x = x.contiguous()
+        library().paged_write(x.data_ptr(), t, heads, dim, x.stride(0), cache.data_ptr(), cache.stride(0),
+                              cache.stride(1), cache.stride(2), slots.data_ptr(), cache.shape[1])
