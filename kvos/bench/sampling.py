@@ -13,7 +13,9 @@ KINDS = {
     "top_k50_top_p0.95": dict(temperature=0.8, top_p=0.95, top_k=50),
     "top_p0.95": dict(temperature=0.8, top_p=0.95),
     "min_p0.05": dict(temperature=0.8, min_p=0.05),
+    "top_p0.95_seeded": dict(temperature=0.8, top_p=0.95, seed="per request"),
 }
+"""Sampling fields per kind; ``seed="per request"``: request i has seed i (what load tools send)."""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -39,11 +41,16 @@ def run(a: argparse.Namespace) -> dict:
     rng = random.Random(a.bench_seed)
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(a.input_len)]} for _ in range(a.requests)]
 
-    def params(kind: str, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **KINDS[kind])
+    def params(kind: str, max_tokens: int) -> SamplingParams | list[SamplingParams]:
+        fields = dict(KINDS[kind])
+        if fields.pop("seed", None) is None:
+            return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **fields)
+        return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **fields) for i in range(a.requests)]
 
     for kind in a.kinds:  # kernels compiled, memory grown
-        llm.generate(prompts[: kw["max_num_seqs"]], params(kind, 8), use_tqdm=False)
+        warm = params(kind, 8)
+        llm.generate(prompts[: kw["max_num_seqs"]], warm[: kw["max_num_seqs"]] if isinstance(warm, list) else warm,
+                     use_tqdm=False)
     runs: dict[str, list[float]] = {k: [] for k in a.kinds}
     for _ in range(a.rounds):
         for kind in a.kinds:

@@ -26,6 +26,7 @@ from kvos.worker.sampler import (
     SampledToken,
     Sampler,
     SampleRow,
+    SeedStream,
     prompt_logprobs,
 )
 from kvos.worker.spec_verify import DraftRows, PendingVerify, launch_verify
@@ -118,6 +119,7 @@ class ModelRunner:
         self.layer_group: list[int] = []
         self.block_size = 0
         self._generators: dict[str, torch.Generator] = {}
+        self._seed_streams: dict[str, SeedStream] = {}
         self._last_tokens: torch.Tensor | None = None
         self._last_targets: list[str] = []
         """Device tokens sampled by the last launch, and the target of each row."""
@@ -303,6 +305,16 @@ class ModelRunner:
             self._generators[t.request_id] = gen
         return gen
 
+    def _seed_stream(self, t: SampleTarget) -> SeedStream | None:
+        """A seeded sampling target's kernel seeds (``SeedStream``), keyed like its generator."""
+        seed = t.params.seed
+        if seed is None or t.params.greedy:
+            return None
+        stream = self._seed_streams.get(t.request_id)
+        if stream is None:
+            stream = self._seed_streams[t.request_id] = SeedStream(seed + 0x9E3779B97F4A7C15 * t.sample_index)
+        return stream
+
     @staticmethod
     def _history(sr: SampleRow, t: SampleTarget, last_rows: dict[str, int]) -> None:
         """What the sampler needs to adjust ``t``'s logits: its generated tokens (the one the
@@ -367,7 +379,8 @@ class ModelRunner:
                 logit_rows.append(t - 1)
                 row_ids.append(s.request_id)
                 for target in s.samplers:
-                    sr = SampleRow(row, target.params, self._generator(target))
+                    sr = SampleRow(row, target.params, self._generator(target),
+                                   seed_stream=self._seed_stream(target))
                     if target.params.adjusts_logits:
                         if last_rows is None:
                             last_rows = {rid: row for row, rid in enumerate(self._last_targets)}
@@ -429,6 +442,7 @@ class ModelRunner:
         pass only; ``sample_deferred`` (with the step's masks) must follow before the next launch."""
         for rid in step.finished_ids:
             self._generators.pop(rid, None)
+            self._seed_streams.pop(rid, None)
         assert self.kv_buffer is not None, "allocate_kv_cache first"
         for group, src, dst in step.copies:
             self.group_pages[group][dst].copy_(self.group_pages[group][src])

@@ -18,9 +18,33 @@ otherwise they run on CUDA only, and the CPU keeps the same sets with torch ops 
 top-p without top-k) and draws by an exponential race."""
 
 
+class SeedStream:
+    """A seeded request's kernel seeds, one per draw, computed on the host: splitmix64 of the
+    request's key plus a draw counter. The sampling kernels take one seed per row and step, so a
+    seeded row then costs no device launch of its own (a device generator costs two per row and
+    step); its draws depend only on its key and how many it has drawn, whatever the batch."""
+
+    __slots__ = ("key", "drawn")
+    GOLDEN = 0x9E3779B97F4A7C15
+    MASK = (1 << 64) - 1
+
+    def __init__(self, key: int) -> None:
+        self.key = key & self.MASK
+        self.drawn = 0
+
+    def next(self) -> int:
+        """The next seed, in [0, 2^62)."""
+        self.drawn += 1
+        z = (self.key + self.drawn * self.GOLDEN) & self.MASK
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self.MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self.MASK
+        return (z ^ (z >> 31)) >> 2
+
+
 @dataclass
 class SampleRow:
-    """One sequence to sample from logits row ``row``. ``generator`` is set for seeded requests.
+    """One sequence to sample from logits row ``row``. ``generator`` is set for seeded requests,
+    and ``seed_stream`` (the kernels' per-step seeds) where the runner gives one.
 
     Set only for requests whose params adjust the logits (``SamplingParams.adjusts_logits``):
     ``output_ids``, the generated tokens known to the host, and ``pending_src``, the row of the
@@ -36,6 +60,7 @@ class SampleRow:
     prompt_ids: list[int] | None = None
     pending_src: int = -1
     ban_ids: list[int] | None = None
+    seed_stream: SeedStream | None = None
 
 
 @dataclass
@@ -409,10 +434,15 @@ class Sampler:
     @staticmethod
     def _seeds(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
         """One int64 seed per row for the kernel: unseeded rows' from one draw of the device's
-        default generator, a seeded row's from its own generator (one per step)."""
+        default generator; a seeded row's from its ``seed_stream`` (all of them in one host copy),
+        or, without one, from its own generator (one per step)."""
         seeds = torch.randint(0, 1 << 62, (len(rows),), device=device)
+        streamed = [i for i, r in enumerate(rows) if r.seed_stream is not None]
+        if streamed:
+            values = to_device([[i, rows[i].seed_stream.next()] for i in streamed], torch.int64, device)
+            seeds.index_copy_(0, values[:, 0], values[:, 1])
         for i, r in enumerate(rows):
-            if r.generator is not None:
+            if r.generator is not None and r.seed_stream is None:
                 seeds[i: i + 1] = torch.randint(0, 1 << 62, (1,), device=device, generator=r.generator)
         return seeds
 

@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 from kvos.core.sampling_params import SamplingParams  # noqa: E402
 from kvos.kernels import top_p as _top_p  # noqa: E402
 from kvos.worker import sampler as _sampler  # noqa: E402
-from kvos.worker.sampler import Sampler, SampleRow, sorted_top_p_threshold  # noqa: E402
+from kvos.worker.sampler import Sampler, SampleRow, SeedStream, sorted_top_p_threshold  # noqa: E402
 from tests.worker.test_sampler_distribution import check_frequencies  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -139,11 +139,11 @@ def test_kernel_path_frequencies_match_the_filtered_softmax(vocab, params, neigh
     assert kernel_on  # a kernel did the filtering
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_mixed_batch_rows_draw_what_they_draw_alone(kernel, monkeypatch):
+@pytest.mark.parametrize("kernel,streams", [(True, False), (True, True), (False, False)])
+def test_mixed_batch_rows_draw_what_they_draw_alone(kernel, streams, monkeypatch):
     """One batch of a top-k row, a top-p-only row and a greedy row (all seeded): each row's
-    tokens equal those of the row sampled alone with the same seed. With the kernel, no step
-    sorts anything."""
+    tokens equal those of the row sampled alone with the same seed, with the kernels' seeds from
+    the rows' generators or from host seed streams. With the kernel, no step sorts anything."""
     monkeypatch.setattr(_sampler, "SAMPLING_KERNELS_ON_CPU", kernel)
     if kernel:
         def no_sort(*args, **kwargs):
@@ -156,9 +156,11 @@ def test_mixed_batch_rows_draw_what_they_draw_alone(kernel, monkeypatch):
 
     def run(indices: list[int], steps: int = 8) -> list[list[int]]:
         gens = {i: torch.Generator(device=DEVICE).manual_seed(params[i].seed) for i in indices}
+        seed_streams = {i: SeedStream(params[i].seed) if streams else None for i in indices}
         out = []
         for _ in range(steps):
-            batch = [SampleRow(j, params[i], gens[i]) for j, i in enumerate(indices)]
+            batch = [SampleRow(j, params[i], None if streams else gens[i], seed_stream=seed_streams[i])
+                     for j, i in enumerate(indices)]
             out.append(Sampler._sample(logits[indices], batch).tolist())
         return [list(col) for col in zip(*out)]
 
