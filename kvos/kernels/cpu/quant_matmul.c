@@ -33,25 +33,36 @@ static inline __m256 i8x8_to_ps(__m128i bytes) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
-/* One row n of W against R rows of x (R = 1..4). */
-#define U4_ROW(R)                                                                         \
-    static void u4_row_##R(const float *x, int64_t K, const uint8_t *q, const float *d,    \
-                           const float *m, float *out, int64_t N) {                        \
-        enum { NA = R == 1 ? 4 : R == 2 ? 2 : 1 }; /* independent sums per row */           \
+/* Block b (32 weights) of a row of W rebuilt into w[0..3], elements 0-7, 8-15, 16-23, 24-31. */
+static inline void u4_block(const uint8_t *q, const float *d, const float *m, int64_t b, __m256 w[4]) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256 D = _mm256_set1_ps(d[b]), Mn = _mm256_set1_ps(m[b]);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16));
+    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    w[0] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(lo), D), Mn);
+    w[1] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), D), Mn);
+    w[2] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(hi), D), Mn);
+    w[3] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), D), Mn);
+}
+
+static inline void i8_block(const int8_t *q, const float *d, int64_t b, __m256 w[4]) {
+    const __m256 D = _mm256_set1_ps(d[b]);
+    for (int j = 0; j < 4; j++)
+        w[j] = _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(q + b * 32 + 8 * j))), D);
+}
+
+/* One row n of W against R rows of x (R = 1..4): each block rebuilt once (BLOCK fills w), used
+ * at once by every row; NA independent sums per row keep the multiply-adds from waiting on
+ * each other. */
+#define ROW_BODY(R, BLOCK)                                                                 \
+    {                                                                                      \
+        enum { NA = R == 1 ? 4 : R == 2 ? 2 : 1 };                                         \
         __m256 acc[R][NA];                                                                 \
         for (int r = 0; r < R; r++)                                                        \
             for (int a = 0; a < NA; a++) acc[r][a] = _mm256_setzero_ps();                  \
-        const __m128i low = _mm_set1_epi8(0x0F);                                           \
         for (int64_t b = 0; b < K / 32; b++) {                                             \
-            const __m256 D = _mm256_set1_ps(d[b]), Mn = _mm256_set1_ps(m[b]);              \
-            const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16));              \
-            const __m128i lo = _mm_and_si128(v, low);                                      \
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);                   \
             __m256 w[4];                                                                   \
-            w[0] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(lo), D), Mn);                     \
-            w[1] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), D), Mn);  \
-            w[2] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(hi), D), Mn);                     \
-            w[3] = _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), D), Mn);  \
+            BLOCK;                                                                         \
             for (int r = 0; r < R; r++) {                                                  \
                 const float *xb = x + r * K + b * 32;                                      \
                 for (int j = 0; j < 4; j++)                                                \
@@ -64,37 +75,17 @@ static inline __m256 i8x8_to_ps(__m128i bytes) {
             out[r * N] = hsum(acc[r][0]);                                                  \
         }                                                                                  \
     }
+#define U4_ROW(R)                                                                         \
+    static void u4_row_##R(const float *x, int64_t K, const uint8_t *q, const float *d,    \
+                           const float *m, float *out, int64_t N)                          \
+        ROW_BODY(R, u4_block(q, d, m, b, w))
+#define I8_ROW(R)                                                                         \
+    static void i8_row_##R(const float *x, int64_t K, const int8_t *q, const float *d,     \
+                           float *out, int64_t N) ROW_BODY(R, i8_block(q, d, b, w))
 U4_ROW(1)
 U4_ROW(2)
 U4_ROW(3)
 U4_ROW(4)
-
-#define I8_ROW(R)                                                                         \
-    static void i8_row_##R(const float *x, int64_t K, const int8_t *q, const float *d,     \
-                           float *out, int64_t N) {                                        \
-        enum { NA = R == 1 ? 4 : R == 2 ? 2 : 1 }; /* independent sums per row */           \
-        __m256 acc[R][NA];                                                                 \
-        for (int r = 0; r < R; r++)                                                        \
-            for (int a = 0; a < NA; a++) acc[r][a] = _mm256_setzero_ps();                  \
-        for (int64_t b = 0; b < K / 32; b++) {                                             \
-            const __m256 D = _mm256_set1_ps(d[b]);                                         \
-            const int8_t *qb = q + b * 32;                                                 \
-            __m256 w[4];                                                                   \
-            for (int j = 0; j < 4; j++)                                                    \
-                w[j] = _mm256_mul_ps(                                                      \
-                    i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(qb + 8 * j))), D);        \
-            for (int r = 0; r < R; r++) {                                                  \
-                const float *xb = x + r * K + b * 32;                                      \
-                for (int j = 0; j < 4; j++)                                                \
-                    acc[r][j % NA] =                                                       \
-                        _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % NA]);\
-            }                                                                              \
-        }                                                                                  \
-        for (int r = 0; r < R; r++) {                                                      \
-            for (int a = 1; a < NA; a++) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][a]);  \
-            out[r * N] = hsum(acc[r][0]);                                                  \
-        }                                                                                  \
-    }
 I8_ROW(1)
 I8_ROW(2)
 I8_ROW(3)
@@ -102,25 +93,18 @@ I8_ROW(4)
 
 /* Row n of W rebuilt into w [K] (the same float32 values as the fused paths above). */
 static void u4_dequant_row(const uint8_t *q, const float *d, const float *m, int64_t K, float *w) {
-    const __m128i low = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < K / 32; b++) {
-        const __m256 D = _mm256_set1_ps(d[b]), Mn = _mm256_set1_ps(m[b]);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16));
-        const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-        float *wb = w + b * 32;
-        _mm256_storeu_ps(wb, _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(lo), D), Mn));
-        _mm256_storeu_ps(wb + 8, _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), D), Mn));
-        _mm256_storeu_ps(wb + 16, _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(hi), D), Mn));
-        _mm256_storeu_ps(wb + 24, _mm256_add_ps(_mm256_mul_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), D), Mn));
+        __m256 v[4];
+        u4_block(q, d, m, b, v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(w + b * 32 + 8 * j, v[j]);
     }
 }
 
 static void i8_dequant_row(const int8_t *q, const float *d, int64_t K, float *w) {
     for (int64_t b = 0; b < K / 32; b++) {
-        const __m256 D = _mm256_set1_ps(d[b]);
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_ps(w + b * 32 + 8 * j,
-                             _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(q + b * 32 + 8 * j))), D));
+        __m256 v[4];
+        i8_block(q, d, b, v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(w + b * 32 + 8 * j, v[j]);
     }
 }
 
