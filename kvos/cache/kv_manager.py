@@ -82,6 +82,7 @@ class KVCacheManager:
         self._roots: dict[str, BlockHash] = {}
         self._tokens: dict[str, int] = {}
         self._cached_full: dict[str, int] = {}  # full blocks cache_blocks has registered, per sequence
+        self._borrowed: dict[str, list[ComputedBlocks]] = {}  # cached blocks a sequence reads, not owns
         self._events: KVEventLog | None = None
         self._event_listener: EventLogListener | None = None
 
@@ -148,6 +149,13 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(seq.request_id, [])
         extend_block_hashes(hashes, seq.all_token_ids, self.block_size, self.root(seq))
         return hashes
+
+    def _registrable_hashes(self, seq: CacheableSequence) -> list[BlockHash]:
+        """``block_hashes`` cut before the first block holding approximate KV
+        (``exact_tokens``): what ``cache_blocks`` and sliding releases may register."""
+        hashes = self.block_hashes(seq)
+        exact = getattr(seq, "exact_tokens", None)
+        return hashes if exact is None else hashes[: exact // self.block_size]
 
     # -- prefix hits ---------------------------------------------------------------------
     def get_computed_blocks(self, seq: CacheableSequence) -> tuple[ComputedBlocks, int]:
@@ -235,7 +243,7 @@ class KVCacheManager:
         total = seq.num_computed_tokens + num_hit * self.block_size + num_new_tokens
         if self._sliding:
             caching = self.enable_caching  # released blocks are registered first when caching
-            hashes, root = (self.block_hashes(seq), self.root(seq)) if caching else ([], b"")
+            hashes, root = (self._registrable_hashes(seq), self.root(seq)) if caching else ([], b"")
             for m in self._sliding:
                 m.remove_skipped_blocks(seq, hashes, root)
         if not num_hit and all(m.fits(seq, total) for m in self.managers):
@@ -329,7 +337,7 @@ class KVCacheManager:
         if full <= self._cached_full.get(seq.request_id, 0):
             return  # no block filled since the last call (most decode steps)
         self._cached_full[seq.request_id] = full
-        hashes, root = self.block_hashes(seq), self.root(seq)
+        hashes, root = self._registrable_hashes(seq), self.root(seq)
         for m in self.managers:
             m.cache_blocks(seq, hashes, root, num_tokens)
 
@@ -353,7 +361,22 @@ class KVCacheManager:
         if parent.request_id in self._cached_full:
             self._cached_full[child.request_id] = self._cached_full[parent.request_id]
 
+    def borrow(self, request_id: str, blocks: ComputedBlocks) -> None:
+        """Reference cached ``blocks`` (per group, as ``prefix_blocks`` returns them) that
+        ``request_id`` reads without owning them (a reused segment's source), so that no
+        eviction takes them, until ``release_borrowed`` or ``free``. Safety rule: release only
+        once every step that reads them has been launched."""
+        for pool, h in zip(self.pools, blocks):
+            pool.touch(h, hit=True)
+        self._borrowed.setdefault(request_id, []).append(blocks)
+
+    def release_borrowed(self, request_id: str) -> None:
+        for blocks in reversed(self._borrowed.pop(request_id, [])):
+            for pool, h in zip(self.pools, blocks):
+                pool.free_blocks(reversed(h))
+
     def free(self, seq: CacheableSequence) -> None:
+        self.release_borrowed(seq.request_id)
         for m in self.managers:
             m.free(seq)
         self._hashes.pop(seq.request_id, None)

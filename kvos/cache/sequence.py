@@ -24,5 +24,9 @@ class CacheableSequence(Protocol):
     """Lower is more important (as the scheduler orders); the weighted eviction policy values a
     block by the most important request that cached or hit it."""
 
+    exact_tokens: int | None
+    """KV from this position on is approximate (segment reuse) and is never registered; None:
+    all exact. Read with ``getattr(seq, "exact_tokens", None)`` (simulated sequences may lack it)."""
+
     @property
     def num_tokens(self) -> int: ...

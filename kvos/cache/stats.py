@@ -17,6 +17,13 @@ class CacheCounters:
     tier_hits_tokens: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    segment_hits: int = 0
+    """Segments whose KV was reused at another position (segment reuse)."""
+    segment_reused_tokens: int = 0
+    segment_recomputed_tokens: int = 0
+    """Tokens of hit segments computed anyway (each segment's first ``segment_recompute`` share)."""
+    segment_fills: int = 0
+    """Segments computed alone to be cached, the first time they were seen."""
 
     @property
     def prefix_hit_rate(self) -> float:

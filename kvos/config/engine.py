@@ -83,6 +83,13 @@ class EngineConfig:
     eviction_lookahead: int = field(default=SchedulerConfig.eviction_lookahead, metadata={
         "help": "cached prefixes that the next N waiting requests will hit are evicted last, the one wanted "
                 "farthest back in the queue first (0: off)"})
+    segment_reuse: bool = field(default=SchedulerConfig.segment_reuse, metadata={
+        "help": "segments of a prompt (chat messages; a completions prompt given as a list of {\"text\"} parts) "
+                "reuse the KV of the same tokens cached alone, at any position: keys re-rotated, each segment's "
+                "first --segment-recompute share recomputed (approximate: see docs/segments.md)"})
+    segment_recompute: float = field(default=SchedulerConfig.segment_recompute, metadata={
+        "help": "segment reuse: the share of a reused segment's tokens recomputed, its first ones (1: exact, 0: "
+                "pure reuse)"})
     preemption_order: str = field(default=SchedulerConfig.preemption_order, metadata={
         "choices": VICTIM_ORDERS,
         "help": "preemption victim: lowest priority, then the latest arrival (latest) or the one losing the "
@@ -184,6 +191,11 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.segment_reuse and self.kv_cache_dtype != "auto":
+            raise ValueError(f"segment_reuse needs kv_cache_dtype 'auto' (keys are re-rotated in the model's dtype), "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.segment_reuse and not self.enable_prefix_caching:
+            raise ValueError("segment_reuse needs prefix caching (segments are cached in the prefix cache)")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")

@@ -68,6 +68,18 @@ class Request:
     """Speculative decoding: tokens proposed to follow ``all_token_ids``, set before a schedule
     and consumed by it (scheduled for verification, or dropped); never counted in
     ``num_tokens`` and never in the prefix cache until the target accepts them."""
+    segments: tuple[tuple[int, int], ...] = ()
+    """Segment reuse: prompt spans ``[start, end)``, in order and disjoint, whose KV may come
+    from the same tokens computed alone after the model's header (``Scheduler`` with
+    ``segment_reuse``), wherever they sit in the prompt."""
+    prefill_only: bool = False
+    """Computes its prompt's KV (cached like any prompt's) and finishes without sampling: the
+    fill of a segment that was not cached yet."""
+    exact_tokens: int | None = None
+    """KV from this position on is approximate (built on reused segments): the KV manager never
+    registers it in the prefix cache. None: every computed token's KV is exact."""
+    reuse_spans: list = field(default_factory=list)
+    """The scheduler's pending ``ReuseSpan``s (segment reuse), in prompt order."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -137,4 +149,5 @@ class Request:
             priority=self.priority, cache_salt=self.cache_salt, max_model_len=self.max_model_len,
             parent_id=self.parent_id, sample_index=index, arrival=self.arrival,
             all_token_ids=list(self.all_token_ids), num_computed_tokens=self.num_computed_tokens,
-            num_cached_tokens=self.num_cached_tokens, status=self.status, forked=True)
+            num_cached_tokens=self.num_cached_tokens, status=self.status, forked=True,
+            segments=self.segments, exact_tokens=self.exact_tokens)

@@ -53,12 +53,26 @@ class StepSeq:
 
 
 @dataclass(slots=True)
+class SegmentCopy:
+    """Reused segment KV: slot ``src_slots[i]`` (flat ``block * block_size + offset``) of cache
+    group ``group`` goes to ``dst_slots[i]``, its keys rotated forward by ``delta`` positions
+    (the destination's position minus the source's) with each layer's own rotary table. Runs
+    after the copy-on-write copies and before the forward pass."""
+
+    group: int
+    src_slots: list[int]
+    dst_slots: list[int]
+    delta: int
+
+
+@dataclass(slots=True)
 class StepDescription:
     seqs: list[StepSeq]
     copies: list[tuple[int, int, int]]
     """(cache group, src block, dst block): copy-on-write copies before the forward pass."""
     finished_ids: list[str]
     """Requests that ended since the last step (the runner drops their generators)."""
+    segment_copies: list[SegmentCopy] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -48,13 +48,13 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         prios = list(priority) if priority is not None else [0] * len(prompts)
-        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        tokenized = [self.engine.tokenize_request(p) for p in prompts]
         for sp in params_list:
             sp.validate()
         ids: list[str] = []
         try:
-            for (text, token_ids), sp, pr in zip(tokenized, params_list, prios):
-                prompt = {"prompt": text, "prompt_token_ids": token_ids}
+            for (text, token_ids, spans), sp, pr in zip(tokenized, params_list, prios):
+                prompt = {"prompt": text, "prompt_token_ids": token_ids, "segment_spans": spans}
                 ids.append(self.engine.add_request(prompt, sp, priority=pr, cache_salt=cache_salt))
         except ValueError:
             for rid in ids:

@@ -191,6 +191,9 @@ class LLMEngine:
         log.info("engine start-up: %s (%d KV blocks)",
                  ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()), num_blocks)
         self.scheduler = Scheduler(config.scheduler_config(), self.kv)
+        if self.scheduler.segments is not None and self.tokenizer is not None:
+            # a segment's source chain starts like every prompt: with the tokenizer's own prefix (BOS)
+            self.scheduler.segments.header = list(self.tokenizer("").input_ids)
         relax_gc_thresholds()
         self.steps, self.step_seconds, self.batched_tokens = 0, 0.0, 0
         """Steps scheduled, wall seconds spent inside ``step``, tokens those steps computed."""
@@ -274,6 +277,57 @@ class LLMEngine:
         return self.layout.num_pages_for_memory(budget or 2 << 30)
 
     # -- requests ------------------------------------------------------------------------
+    def tokenize_segments(self, segments) -> tuple[str | None, list[int], tuple[tuple[int, int], ...]]:
+        """A prompt given as segments (strings or token id lists): its text (None unless every
+        segment is a string), its ids (the first text segment with the tokenizer's special
+        tokens, later ones without) and each segment's span of them."""
+        if not isinstance(segments, list) or not segments:
+            raise ValueError("segments must be a non-empty list of strings or token id lists")
+        ids: list[int] = []
+        spans = []
+        for i, seg in enumerate(segments):
+            if isinstance(seg, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"segments[{i}]: this engine has no tokenizer; pass token ids")
+                if not seg:
+                    raise ValueError(f"segments[{i}] must be a non-empty string")
+                piece = encode_prompt(self.tokenizer, seg) if not ids else list(
+                    self.tokenizer(seg, add_special_tokens=False).input_ids)
+            elif isinstance(seg, list):
+                try:
+                    piece = self._check_ids(seg)
+                except ValueError as e:
+                    raise ValueError(f"segments[{i}]: {e}") from None
+            else:
+                raise ValueError(f"segments[{i}] must be a string or a list of token ids, got {type(seg).__name__}")
+            spans.append((len(ids), len(ids) + len(piece)))
+            ids += piece
+        text = "".join(segments) if all(isinstance(x, str) for x in segments) else None
+        return text, ids, tuple(spans)
+
+    def tokenize_request(self, prompt: PromptType) -> tuple[str | None, list[int], tuple[tuple[int, int], ...]]:
+        """Any prompt form's text (or None), token ids and segment spans: ``{"segments": [...]}``
+        (``tokenize_segments``), or a dict with ``prompt_token_ids`` and ``segment_spans`` (spans
+        already made, e.g. by ``tokenize_segments`` or a chat's messages), or what
+        ``tokenize_prompt`` takes (no segments)."""
+        if isinstance(prompt, dict) and "segments" in prompt:
+            return self.tokenize_segments(prompt["segments"])
+        text, ids = self.tokenize_prompt(prompt)
+        spans = prompt.get("segment_spans") if isinstance(prompt, dict) else None
+        if not spans:
+            return text, ids, ()
+        try:
+            spans = tuple((int(a), int(b)) for a, b in spans)
+        except (TypeError, ValueError):
+            raise ValueError("segment_spans must be a list of [start, end) pairs") from None
+        end = 0
+        for a, b in spans:
+            if not end <= a < b <= len(ids):
+                raise ValueError(f"segment_spans must be ordered, disjoint and within the prompt's {len(ids)} "
+                                 f"tokens, got {list(spans)!r}")
+            end = b
+        return text, ids, spans
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -285,7 +339,7 @@ class LLMEngine:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize_prompt(prompt["prompt"])
-            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise ValueError("prompt dict needs 'prompt', 'prompt_token_ids' or 'segments'")
         if isinstance(prompt, list):
             return None, self._check_ids(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
@@ -315,7 +369,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._user_requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids, segments = self.tokenize_request(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              f"which leaves no room for output")
@@ -326,7 +380,7 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiled (and cached) now: a bad schema is a ValueError
             self.matchers.compiler.matcher(params.structured_outputs)
         req = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
-                      cache_salt=cache_salt, max_model_len=self.max_model_len)
+                      cache_salt=cache_salt, max_model_len=self.max_model_len, segments=segments)
         ureq = _UserRequest(request_id, text, ids, params, time.monotonic())
         if params.prompt_logprobs is not None:
             ureq.prompt_logprobs = [None] * len(ids)
@@ -363,7 +417,8 @@ class LLMEngine:
         return list(self._user_requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._user_requests)
+        """Requests not finished yet, or the engine's own work for them (segment fills)."""
+        return bool(self._user_requests) or self.scheduler.has_unfinished()
 
     # -- pinned prefixes -----------------------------------------------------------------
     def pin_prefix(self, prompt: PromptType, ttl_s: float | None = None, cache_salt: str | None = None,

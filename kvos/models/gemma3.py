@@ -121,6 +121,12 @@ class Gemma3ForCausalLM(nn.Module):
         self.rope_global = RotaryEmbedding(self.cfg, device)
         self.rope_local = RotaryEmbedding(local_rope_config(self.cfg), device)
 
+    def layer_rotary(self, layer: int) -> RotaryEmbedding:
+        """The rotary table layer ``layer``'s keys are rotated with: local for sliding layers."""
+        rope = self.rope_local if self.layers[layer].self_attn.sliding else self.rope_global
+        assert rope is not None, "setup_rope first"
+        return rope
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache],
                 metas: Sequence[AttentionMetadata], backend: AttentionBackend,
                 num_layers: int | None = None) -> torch.Tensor:

@@ -149,6 +149,11 @@ class LlamaForCausalLM(nn.Module):
         """Build the rotary tables on ``device``; the loader calls it once the weights are there."""
         self.rope = RotaryEmbedding(self.cfg, device)
 
+    def layer_rotary(self, layer: int) -> RotaryEmbedding:
+        """The rotary table layer ``layer``'s keys are rotated with (one for every layer)."""
+        assert self.rope is not None, "setup_rope first"
+        return self.rope
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache],
                 metas: Sequence[AttentionMetadata], backend: AttentionBackend,
                 num_layers: int | None = None) -> torch.Tensor:

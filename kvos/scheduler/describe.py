@@ -42,4 +42,5 @@ def _seq(s: ScheduledSeq) -> StepSeq:
 
 def describe_step(out: SchedulerOutput) -> StepDescription:
     """The runner's view of ``out``; call before the next ``schedule`` or output update."""
-    return StepDescription([_seq(s) for s in out.seqs], list(out.copies), list(out.finished_ids))
+    return StepDescription([_seq(s) for s in out.seqs], list(out.copies), list(out.finished_ids),
+                           list(out.segment_copies))

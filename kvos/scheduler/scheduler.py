@@ -10,7 +10,9 @@ from kvos.cache.block import KVBlock
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.core.load import EngineLoad
 from kvos.core.request import Request, RequestStatus
+from kvos.core.step import SegmentCopy
 from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
+from kvos.scheduler.segments import SegmentReuse
 
 
 @dataclass
@@ -31,12 +33,20 @@ class SchedulerConfig:
     """Cached prefixes that the next this-many waiting requests will hit are evicted only when
     nothing else is left, the one wanted farthest back in the queue first. It changes which
     cached block goes, never admission. 0: off."""
+    segment_reuse: bool = False
+    """Requests' ``segments`` take their KV from the same tokens cached alone, at any position
+    (``kvos.scheduler.segments``); segments seen for the first time are computed alone too."""
+    segment_recompute: float = 0.15
+    """Segment reuse: the share of each reused segment's tokens (its first ones) recomputed."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "fairness_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (isinstance(self.segment_recompute, bool) or not isinstance(self.segment_recompute, (int, float))
+                or not 0 <= self.segment_recompute <= 1):
+            raise ValueError(f"segment_recompute must be a number in [0, 1], got {self.segment_recompute!r}")
         if not isinstance(self.eviction_lookahead, int) or self.eviction_lookahead < 0:
             raise ValueError(f"eviction_lookahead must be a non-negative integer, got {self.eviction_lookahead!r}")
         for name, registry in (("scheduling_policy", WAITING_POLICIES), ("preemption_order", VICTIM_ORDERS)):
@@ -101,6 +111,7 @@ class SchedulerOutput:
     preempted: list[Request]
     finished_ids: list[str]
     loads: list[PrefixLoad] = field(default_factory=list)
+    segment_copies: list[SegmentCopy] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -151,6 +162,9 @@ class Scheduler:
         tier (the engine's ``OffloadManager.lookup`` asks on its I/O thread and remembers)."""
         self.swapper: Swapper | None = None
         """Set for preemption by swap: a victim's computed blocks go to host memory and come back."""
+        self.segments = SegmentReuse(kv, config.segment_recompute) if config.segment_reuse else None
+        """Segment reuse's planner (its ``header`` is the engine's to set), or None."""
+        self._segment_copies: list[SegmentCopy] = []
         self.num_steps = 0
 
     # -- queue management ----------------------------------------------------------------
@@ -177,6 +191,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.queued_at_step = self.num_steps
         heapq.heappush(self._waiting, (self._key(req), req))
+        if self.segments is not None and req.segments and not req.needs_all_prompt_positions:
+            for fill in self.segments.fills(req):
+                self.kv.counters.segment_fills += 1
+                self.add_request(fill)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a sequence wherever it is; frees its blocks at once."""
@@ -191,6 +209,8 @@ class Scheduler:
             self._waiting = [(k, r) for k, r in self._waiting if r is not req]
             heapq.heapify(self._waiting)
         req.status = status
+        if req.prefill_only and self.segments is not None:
+            self.segments.fill_done(req)
         if req.swapped_tokens and self.swapper is not None:
             self.swapper.drop(req.request_id)
             req.swapped_tokens = 0
@@ -208,6 +228,9 @@ class Scheduler:
                 req.swapped_tokens = req.num_computed_tokens
                 self.kv.counters.swapped_out_blocks += n
         self.kv.free(req)
+        req.reuse_spans = []  # planned again at re-admission (the borrowed sources were released)
+        if not req.swapped_tokens:
+            req.exact_tokens = None
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -255,12 +278,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            skip = spans = 0
+            if req.reuse_spans:
+                skip, spans, num_new = SegmentReuse.chunk(req, req.num_computed_tokens, budget)
+            else:
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0 or (req.num_pending and req.length_reached_with_pending()):
                 i += 1
                 continue
             drafts = self._take_drafts(req, num_new, budget)
-            while not self.kv.allocate_slots(req, num_new + len(drafts)):
+            while not self.kv.allocate_slots(req, skip + num_new + len(drafts)):
                 if drafts:  # no room to verify drafts: decode one token rather than preempt
                     drafts = []
                     continue
@@ -276,6 +303,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next one
+            if skip:
+                self._reuse(req, spans, skip)
             scheduled[req.request_id] = self._scheduled(req, num_new, drafts)
             budget -= num_new + len(drafts)
             i += 1
@@ -311,8 +340,17 @@ class Scheduler:
                         loads.append(load)
                         seats += self._seats(req)
                         continue
-                num_new = min(req.num_tokens - hit_tokens, budget)
-                if not self.kv.allocate_slots(req, num_new, hit_blocks):
+                skip = spans = 0
+                if self.segments is not None and req.segments and not req.needs_all_prompt_positions:
+                    self.segments.plan(req, hit_tokens)
+                if req.reuse_spans:
+                    skip, spans, num_new = SegmentReuse.chunk(req, hit_tokens, budget)
+                else:
+                    num_new = min(req.num_tokens - hit_tokens, budget)
+                if not self.kv.allocate_slots(req, skip + num_new, hit_blocks):
+                    if req.reuse_spans:
+                        self.kv.release_borrowed(req.request_id)
+                        req.reuse_spans, req.exact_tokens = [], None
                     if not self.running:  # even an empty pool cannot hold it: it can never run
                         self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                         continue
@@ -324,6 +362,10 @@ class Scheduler:
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit_tokens
                     req.cached_by_source = {"device": hit_tokens}
+                if req.reuse_spans:
+                    self._count_reuse(req)
+                if skip:
+                    self._reuse(req, spans, skip)
                 if req.max_computed_tokens > hit_tokens:
                     self.kv.counters.recomputed_tokens += req.max_computed_tokens - hit_tokens
                 req.status = RequestStatus.RUNNING
@@ -345,8 +387,29 @@ class Scheduler:
             for target in s.samplers:
                 target.num_pending += 1
         finished, self._finished_ids = self._finished_ids, []
+        segment_copies, self._segment_copies = self._segment_copies, []
         return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
-                               finished_ids=finished, loads=loads)
+                               finished_ids=finished, loads=loads, segment_copies=segment_copies)
+
+    def _reuse(self, req: Request, spans: int, skip: int) -> None:
+        """Fill ``req``'s first ``spans`` reuse spans (``skip`` tokens, allocated by now) from
+        their sources this step: they count as computed."""
+        assert self.segments is not None
+        self._segment_copies += self.segments.copies(req, req.reuse_spans[:spans])
+        del req.reuse_spans[:spans]
+        req.num_computed_tokens += skip
+
+    def _count_reuse(self, req: Request) -> None:
+        """Count a fresh plan's spans: segment hits, reused and recomputed tokens, and the
+        reused tokens among the request's cached ones (the first admission's only)."""
+        c, reused = self.kv.counters, sum(s.length for s in req.reuse_spans)
+        c.segment_hits += len(req.reuse_spans)
+        c.segment_reused_tokens += reused
+        assert self.segments is not None
+        c.segment_recomputed_tokens += sum(s.src_start - len(self.segments.header) for s in req.reuse_spans)
+        if not req.num_preemptions and req.cached_by_source.get("segment") is None:
+            req.num_cached_tokens += reused
+            req.cached_by_source["segment"] = reused
 
     def _swap_in(self, req: Request, budget: int) -> bool:
         """Re-admit a swapped-out sequence: fresh blocks, its KV copied back from host memory."""
@@ -428,6 +491,8 @@ class Scheduler:
             req.num_cached_tokens = req.num_computed_tokens
         if req.max_computed_tokens > req.num_computed_tokens:
             self.kv.counters.recomputed_tokens += req.max_computed_tokens - req.num_computed_tokens
+        if self.segments is not None and req.segments and self.segments.plan(req, req.num_computed_tokens):
+            self._count_reuse(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -452,7 +517,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
-        samples = start + num_new == req.num_tokens
+        samples = start + num_new == req.num_tokens and not req.prefill_only
         drafts = drafts or []
         return ScheduledSeq(req, start, num_new + len(drafts), self.kv.block_tables(req.request_id),
                             [req] if samples else [], drafts)
@@ -489,6 +554,10 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_blocks(req, s.start + s.num_new_tokens)
+                if req.exact_tokens is not None and not req.reuse_spans:
+                    self.kv.release_borrowed(req.request_id)  # the steps that read them have run
+                if req.prefill_only and s.start + s.num_new_tokens >= req.num_tokens:
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             for target in s.samplers:
                 if target.is_finished or target.request_id not in sampled:
                     continue

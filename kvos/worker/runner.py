@@ -29,6 +29,7 @@ from kvos.worker.sampler import (
     SeedStream,
     prompt_logprobs,
 )
+from kvos.worker.segment_copies import apply_segment_copies
 from kvos.worker.spec_verify import DraftRows, PendingVerify, launch_verify
 from kvos.worker.torch_attention import TorchReferenceBackend
 
@@ -446,6 +447,9 @@ class ModelRunner:
         assert self.kv_buffer is not None, "allocate_kv_cache first"
         for group, src, dst in step.copies:
             self.group_pages[group][dst].copy_(self.group_pages[group][src])
+        if step.segment_copies:
+            apply_segment_copies(step.segment_copies, self.kv_layers, self.layer_group, self.model.layer_rotary,
+                                 self.block_size)
         if step.is_empty:
             return LaunchedStep([], None)
         draft_s = 0.0
