@@ -1,0 +1,150 @@
+"""Segment reuse on the real default model: a segment cached alone is reused at another position
+with its keys re-rotated, checked against transformers fed the same KV built with the rotation
+written out here; 100% recompute is full prefill; tenants never share a segment; approximate
+KV never enters the prefix cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvos import SamplingParams
+
+BS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def texts(tokenizer):
+    """A prefix, a document of 64 tokens (four blocks, the default model has no header) and a
+    question, as token ids."""
+    assert tokenizer("").input_ids == []
+    prefix = tokenizer("Read the passage below, then answer.\n").input_ids
+    doc = tokenizer(open("kvos/bench/data/macbeth_act1_scenes1-4.txt").read()[:2000]).input_ids[:4 * BS]
+    question = tokenizer("\nQuestion: who is speaking in this passage? Answer:").input_ids
+    assert len(prefix) % BS and len(doc) == 4 * BS
+    return prefix, doc, question
+
+
+def _rotate(k: torch.Tensor, delta: int, theta: float) -> torch.Tensor:
+    """Keys ``[.., seq, head_dim]`` rotated by ``delta`` positions: RoPE's rotate_half form."""
+    d = k.shape[-1]
+    angle = delta * (1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    cos = torch.cat([angle.cos(), angle.cos()]).float()
+    sin = torch.cat([angle.sin(), angle.sin()]).float()
+    rotated = torch.cat([-k[..., d // 2:], k[..., : d // 2]], dim=-1)
+    return k * cos + rotated * sin
+
+
+@torch.no_grad()
+def _reference(hf, prefix, doc, question, steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and first logits for prefix + doc + question when doc's KV is
+    its KV computed alone, keys rotated by len(prefix): the prefix computed exactly, then the
+    document's cache appended, then the question computed over both."""
+    from transformers import DynamicCache
+
+    cfg = hf.config
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    pre = hf(torch.tensor([prefix]), use_cache=True).past_key_values
+    alone = hf(torch.tensor([doc]), use_cache=True).past_key_values
+    cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        kp, vp = pre.layers[layer].keys, pre.layers[layer].values
+        kd, vd = alone.layers[layer].keys, alone.layers[layer].values
+        cache.update(torch.cat([kp, _rotate(kd, len(prefix), theta)], dim=2), torch.cat([vp, vd], dim=2), layer)
+    pos = len(prefix) + len(doc)
+    ids, tokens, first = torch.tensor([question]), [], None
+    for _ in range(steps):
+        n = ids.shape[1]
+        out = hf(ids, past_key_values=cache, position_ids=torch.arange(pos, pos + n)[None],
+                 cache_position=torch.arange(pos, pos + n), use_cache=True)
+        logits = out.logits[0, -1]
+        first = logits if first is None else first
+        tokens.append(int(logits.argmax()))
+        pos += n
+        ids = torch.tensor([[tokens[-1]]])
+    return tokens, first
+
+
+def _run(llm, prompt, salt=None):
+    rows = []
+    llm.engine.runner.logits_hook = lambda ids, logits: rows.append(logits[0].clone())
+    try:
+        out = llm.generate([prompt], GREEDY, use_tqdm=False, cache_salt=salt)[0]
+    finally:
+        llm.engine.runner.logits_hook = None
+    return out, rows[0]
+
+
+def test_pure_reuse_equals_the_rotation_reference(make_llm, hf_model, texts):
+    prefix, doc, question = texts
+    ref_tokens, ref_logits = _reference(hf_model, prefix, doc, question, GREEDY.max_tokens)
+    for chunk in (2048, 24):  # one prefill step, and chunks that end inside and at the reused span
+        llm = make_llm(segment_reuse=True, segment_recompute=0.0, max_num_batched_tokens=chunk)
+        llm.generate([{"segments": [doc]}], GREEDY, use_tqdm=False)  # the document alone, at position 0
+        out, logits = _run(llm, {"segments": [prefix, doc, question]})
+        assert out.num_cached_tokens == len(doc)
+        stats = llm.stats()
+        assert stats["segment_hits"] == 1 and stats["segment_reused_tokens"] == len(doc)
+        assert out.outputs[0].token_ids == ref_tokens
+        assert (logits - ref_logits).abs().max() < 1e-3
+
+
+def test_full_recompute_equals_full_prefill(make_llm, llm, texts):
+    prefix, doc, question = texts
+    exact = make_llm(segment_reuse=True, segment_recompute=1.0)
+    exact.generate([{"segments": [doc]}], GREEDY, use_tqdm=False)
+    out, logits = _run(exact, {"segments": [prefix, doc, question]})
+    plain, plain_logits = _run(llm, {"prompt_token_ids": prefix + doc + question})
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert torch.equal(logits, plain_logits)
+    assert out.num_cached_tokens == 0 and exact.stats()["segment_reused_tokens"] == 0
+
+
+def test_recompute_share_and_exact_prefix_cache(make_llm, llm, texts):
+    """15% recompute reuses the document's last 54 tokens; afterwards the same prompt sent plainly
+    hits only the prefix's exact blocks, and answers as a fresh engine does."""
+    prefix, doc, question = texts
+    seg = make_llm(segment_reuse=True, segment_recompute=0.15)
+    seg.generate([{"segments": [doc]}], GREEDY, use_tqdm=False)
+    out, _ = _run(seg, {"segments": [prefix, doc, question]})
+    head = -(-15 * len(doc) // 100)
+    assert out.num_cached_tokens == len(doc) - head
+    assert seg.stats()["segment_recomputed_tokens"] == head
+    plain, _ = _run(seg, {"prompt_token_ids": prefix + doc + question})
+    assert plain.num_cached_tokens == (len(prefix) + head) // BS * BS
+    fresh, _ = _run(llm, {"prompt_token_ids": prefix + doc + question})
+    assert plain.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_segments_never_cross_tenants(make_llm, texts):
+    prefix, doc, question = texts
+    seg = make_llm(segment_reuse=True, segment_recompute=0.0)
+    seg.generate([{"segments": [doc]}], GREEDY, use_tqdm=False, cache_salt="tenant-a")
+    other, _ = _run(seg, {"segments": [prefix, doc, question]}, salt="tenant-b")
+    assert other.num_cached_tokens == 0 and seg.stats()["segment_hits"] == 0
+    same, _ = _run(seg, {"segments": [prefix, doc, question]}, salt="tenant-a")
+    assert same.num_cached_tokens == len(doc) and seg.stats()["segment_hits"] == 1
+
+
+def test_unseen_segments_are_filled_and_answer_exactly(make_llm, llm, texts):
+    """The first request with a document computes it exactly (and alone, to cache it); nothing
+    is left referenced once everything finished."""
+    prefix, doc, question = texts
+    seg = make_llm(segment_reuse=True, segment_recompute=0.0)
+    out, _ = _run(seg, {"segments": [prefix, doc, question]})
+    fresh, _ = _run(llm, {"prompt_token_ids": prefix + doc + question})
+    assert out.outputs[0].token_ids == fresh.outputs[0].token_ids
+    stats = seg.stats()
+    assert stats["segment_fills"] == 1 and stats["running"] == stats["waiting"] == 0
+    assert stats["used"] == 0
+    again, _ = _run(seg, {"segments": [question, doc, question]})  # the document elsewhere: reused
+    assert again.num_cached_tokens == len(doc)
+
+
+def test_bad_segments_name_the_field(llm):
+    with pytest.raises(ValueError, match=r"segments\[1\]"):
+        llm.generate([{"segments": ["a", 3]}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="segments must be a non-empty list"):
+        llm.generate([{"segments": []}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="segment_spans"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3], "segment_spans": [[2, 1]]}], GREEDY, use_tqdm=False)
