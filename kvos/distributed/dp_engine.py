@@ -130,7 +130,8 @@ class DataParallelEngine:
         self.max_model_len = self.info.max_model_len
         self.model_id = self.info.model_id
         self.model_facts = ModelFacts(self.model_id, self.max_model_len, self.info.vocab_size,
-                                      default_sampling=dict(self.info.default_sampling))
+                                      default_sampling=dict(self.info.default_sampling),
+                                      segment_reuse=self.info.segment_reuse)
         self.block_size = self.info.block_size
         self.router_name = router
         self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]
@@ -299,7 +300,8 @@ class DataParallelEngine:
                 log.warning("blocks of %s could not be read on its prefill engine (%s)", rec.request_id, err)
         try:
             stored = await self.engines.call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
-                                             rec.priority, rec.salt, None, False, found)
+                                             rec.priority, rec.salt, None, False, found,
+                                             rec.prompt.get("segment_spans") or ())
         finally:
             if found is not None and isinstance(found.rows, DeviceRows):
                 self.engines.notify(source, "transfer_done", found.rows.nbytes)

@@ -32,6 +32,7 @@ class EngineInfo:
     pid: int
     vocab_size: int
     default_sampling: dict = field(default_factory=dict)
+    segment_reuse: bool = False
 
 
 @dataclass
@@ -95,15 +96,16 @@ class EngineWorker:
     def info(self) -> EngineInfo:
         e = self.engine
         return EngineInfo(self.engine_id, e.kv.model_id, e.kv.block_size, e.max_model_len, os.getpid(),
-                          e.model_config.vocab_size, dict(e.default_sampling))
+                          e.model_config.vocab_size, dict(e.default_sampling), e.config.segment_reuse)
 
     def tokenizer(self):
         return self.engine.tokenizer
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
             cache_salt: str | None = None, export: list[bytes] | None = None, on_device: bool = False,
-            received: ExtractedBlocks | None = None) -> int:
+            received: ExtractedBlocks | None = None, segment_spans: tuple = ()) -> int:
         """Queue a request; raises ``ValueError`` (naming the field) if the engine refuses it.
+        ``segment_spans``: the prompt's segments (segment reuse).
 
         Disaggregated prefill: ``export`` (on a prefill engine): when the request finishes, the
         blocks of these hashes that the cache holds are kept (referenced) for ``take_export``
@@ -128,7 +130,7 @@ class EngineWorker:
         box: list = [None, 0]
         with self._lock:
             self._cmds.append(("add", (request_id, prompt_token_ids, params, priority, cache_salt, export, on_device,
-                                       received), done, box))
+                                       received, segment_spans), done, box))
             self._changed.notify_all()
         done.wait()
         if box[0] is not None:
@@ -223,14 +225,15 @@ class EngineWorker:
         e = self.engine
         for kind, arg, done, box in cmds:
             if kind == "add":
-                rid, ids, params, priority, salt, export, on_device, received = arg
+                rid, ids, params, priority, salt, export, on_device, received, spans = arg
                 if received is not None and received.hashes:
                     try:
                         box[1] = e.adopt_blocks(received.hashes, received.parent, received.rows, received.depth)
                     except Exception:  # the request computes the blocks itself
                         log.exception("%s: receiving %s's blocks failed", self.engine_id, rid)
                 try:
-                    e.add_request({"prompt_token_ids": ids}, params, request_id=rid, priority=priority,
+                    e.add_request({"prompt_token_ids": ids, "segment_spans": spans}, params, request_id=rid,
+                                  priority=priority,
                                   cache_salt=salt)
                     if export:
                         self.exports.expect(rid, export, on_device)

@@ -48,7 +48,8 @@ class AsyncEngine:
         config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_facts = ModelFacts(engine.kv.model_id, engine.max_model_len, engine.model_config.vocab_size,
-                                      config.dtype, config.device, dict(engine.default_sampling))
+                                      config.dtype, config.device, dict(engine.default_sampling),
+                                      config.segment_reuse)
 
     def start(self) -> None:
         self._thread.start()

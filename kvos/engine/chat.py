@@ -69,6 +69,24 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     return ids
 
 
+def message_spans(tokenizer, messages: list[dict], ids: list[int],
+                  tools: list[dict] | None = None) -> tuple[tuple[int, int], ...]:
+    """Each message's span of ``ids`` (``chat_prompt_ids`` of ``messages``), the segments of
+    segment reuse: message i starts where the template's rendering of the first i messages ends,
+    when that rendering is a prefix of ``ids`` (most templates); a message whose start is not
+    such a prefix joins the one before. The last span runs to the end (the generation prompt)."""
+    bounds = [0]
+    for i in range(1, len(messages)):
+        try:
+            head = chat_prompt_ids(tokenizer, messages[:i], add_generation_prompt=False, tools=tools)
+        except ValueError:  # e.g. a template that wants a user turn last
+            continue
+        if bounds[-1] < len(head) < len(ids) and ids[: len(head)] == head:
+            bounds.append(len(head))
+    bounds.append(len(ids))
+    return tuple(zip(bounds, bounds[1:]))
+
+
 def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
 

@@ -52,6 +52,9 @@ class ModelFacts:
     """The device as configured (None: not known to the client)."""
     default_sampling: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
     """Sampling values for the fields a request leaves unset (``LLMEngine.default_sampling``)."""
+    segment_reuse: bool = False
+    """The engines reuse segments (``EngineConfig.segment_reuse``): a chat's messages are sent
+    as segments."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from kvos.config import EngineConfig
 from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
-from kvos.engine.chat import chat_prompt_ids
+from kvos.engine.chat import chat_prompt_ids, message_spans
 from kvos.engine.llm_engine import LLMEngine, PromptType
 
 Message = dict[str, str]
@@ -65,9 +65,14 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate
+        (with ``segment_reuse``, each message is a segment)."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": self.chat_token_ids(c, add_generation_prompt)} for c in convs]
+        prompts = []
+        for c in convs:
+            ids = self.chat_token_ids(c, add_generation_prompt)
+            spans = message_spans(self.engine.tokenizer, c, ids) if self.engine.config.segment_reuse else ()
+            prompts.append({"prompt_token_ids": ids, "segment_spans": spans})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def chat_token_ids(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:

@@ -104,6 +104,34 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return ids
 
 
+def encode_segments(tokenizer, segments, vocab_size: int) -> tuple[str | None, list[int], tuple[tuple[int, int], ...]]:
+    """A prompt given as segments (strings or token id lists): its text (None unless every
+    segment is a string), its ids (the first text segment with the tokenizer's special tokens,
+    later ones without) and each segment's span of them. ``ValueError`` naming the segment."""
+    if not isinstance(segments, list) or not segments:
+        raise ValueError("segments must be a non-empty list of strings or token id lists")
+    ids: list[int] = []
+    spans = []
+    for i, seg in enumerate(segments):
+        if isinstance(seg, str):
+            if tokenizer is None:
+                raise ValueError(f"segments[{i}]: this engine has no tokenizer; pass token ids")
+            if not seg:
+                raise ValueError(f"segments[{i}] must be a non-empty string")
+            piece = encode_prompt(tokenizer, seg) if not ids else list(tokenizer(seg, add_special_tokens=False).input_ids)
+        elif isinstance(seg, list) and seg and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in seg):
+            piece = list(seg)
+        elif isinstance(seg, list):
+            raise ValueError(f"segments[{i}] must be a non-empty list of integers in [0, {vocab_size})")
+        else:
+            raise ValueError(f"segments[{i}] must be a string or a list of token ids, got {type(seg).__name__}")
+        spans.append((len(ids), len(ids) + len(piece)))
+        ids += piece
+    text = "".join(segments) if all(isinstance(x, str) for x in segments) else None
+    return text, ids, tuple(spans)
+
+
 class LLMEngine:
     """Owns the tokenizer, the KV memory system, the scheduler and the model runner.
 
@@ -196,6 +224,8 @@ class LLMEngine:
             self.scheduler.segments.header = list(self.tokenizer("").input_ids)
         relax_gc_thresholds()
         self.steps, self.step_seconds, self.batched_tokens = 0, 0.0, 0
+        self._prefill_token_s: float | None = None
+        self.segment_saved_seconds = 0.0
         """Steps scheduled, wall seconds spent inside ``step``, tokens those steps computed."""
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
@@ -278,32 +308,8 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
     def tokenize_segments(self, segments) -> tuple[str | None, list[int], tuple[tuple[int, int], ...]]:
-        """A prompt given as segments (strings or token id lists): its text (None unless every
-        segment is a string), its ids (the first text segment with the tokenizer's special
-        tokens, later ones without) and each segment's span of them."""
-        if not isinstance(segments, list) or not segments:
-            raise ValueError("segments must be a non-empty list of strings or token id lists")
-        ids: list[int] = []
-        spans = []
-        for i, seg in enumerate(segments):
-            if isinstance(seg, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"segments[{i}]: this engine has no tokenizer; pass token ids")
-                if not seg:
-                    raise ValueError(f"segments[{i}] must be a non-empty string")
-                piece = encode_prompt(self.tokenizer, seg) if not ids else list(
-                    self.tokenizer(seg, add_special_tokens=False).input_ids)
-            elif isinstance(seg, list):
-                try:
-                    piece = self._check_ids(seg)
-                except ValueError as e:
-                    raise ValueError(f"segments[{i}]: {e}") from None
-            else:
-                raise ValueError(f"segments[{i}] must be a string or a list of token ids, got {type(seg).__name__}")
-            spans.append((len(ids), len(ids) + len(piece)))
-            ids += piece
-        text = "".join(segments) if all(isinstance(x, str) for x in segments) else None
-        return text, ids, tuple(spans)
+        """``encode_segments`` with this engine's tokenizer and vocabulary."""
+        return encode_segments(self.tokenizer, segments, self.model_config.vocab_size)
 
     def tokenize_request(self, prompt: PromptType) -> tuple[str | None, list[int], tuple[tuple[int, int], ...]]:
         """Any prompt form's text (or None), token ids and segment spans: ``{"segments": [...]}``
@@ -470,11 +476,23 @@ class LLMEngine:
         scheduling the step launched by the previous call (so host work overlaps the device).
         Returns outputs of requests that changed; with ``final_only``, only of those that
         finished (vLLM's ``FINAL_ONLY``: no output is built for a request still running)."""
-        t0 = time.perf_counter()
+        t0, tokens, reused = time.perf_counter(), self.batched_tokens, self.kv.counters.segment_reused_tokens
         try:
             return self._step(final_only)
         finally:
-            self.step_seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.step_seconds += dt
+            self._estimate_segment_savings(dt, self.batched_tokens - tokens,
+                                           self.kv.counters.segment_reused_tokens - reused)
+
+    def _estimate_segment_savings(self, seconds: float, tokens: int, reused: int) -> None:
+        """Segment reuse's time saved, estimated: tokens reused times the recent seconds per
+        token of steps that computed at least 64 tokens (prefill-heavy steps)."""
+        if tokens >= 64:
+            rate = seconds / tokens
+            self._prefill_token_s = rate if self._prefill_token_s is None else 0.8 * self._prefill_token_s + 0.2 * rate
+        if reused and self._prefill_token_s is not None:
+            self.segment_saved_seconds += reused * self._prefill_token_s
 
     def _speculates_now(self) -> bool:
         """Load awareness: speculate only while the step's batch (running sequences plus those
@@ -689,6 +707,8 @@ class LLMEngine:
              "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting(),
              "loading": len(self.scheduler.loading), "steps": self.steps, "step_seconds": self.step_seconds,
              "batched_tokens": self.batched_tokens}
+        if self.scheduler.segments is not None:
+            s["segment_saved_seconds"] = self.segment_saved_seconds
         if self.tiers is not None:
             s["tiers"] = self.tiers.usage()
         if self._adopter.used:

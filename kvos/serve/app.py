@@ -19,8 +19,9 @@ from pydantic import ValidationError
 import kvos
 from kvos.cache.pins import PinInfo
 from kvos.core.sampling_params import SamplingParams
-from kvos.engine.chat import chat_prompt_ids, has_chat_template
+from kvos.engine.chat import chat_prompt_ids, has_chat_template, message_spans
 from kvos.engine.client import EngineClient, EngineStopped, RequestStream
+from kvos.engine.llm_engine import encode_segments
 from kvos.serve.chat_tools import ChatTools
 from kvos.serve.errors import APIError, clip, error_response, install_error_handlers
 from kvos.serve.kv_summary import kv_summary_router
@@ -275,7 +276,8 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         messages, template_tools = tools.prompt(messages)
         state.check_fits(_user_text(messages), "messages")
         with state.tokenizing(body.n):
-            ids = await state.tokenizers.run(lambda tok: chat_prompt_ids(tok, messages, tools=template_tools))
+            ids, spans = await state.tokenizers.run(lambda tok: _chat_ids_and_spans(
+                tok, messages, template_tools, state.segment_reuse))
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens", "messages")
         top_n = body.top_logprobs or 0
@@ -286,7 +288,8 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
                                     f"{params.structured_outputs.field_name}", param="tool_choice")
             params.structured_outputs = tools.grammar()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _submit_all(state, [{"prompt_token_ids": ids}], params, rid, body.priority,
+        streams = await _submit_all(state, [{"prompt_token_ids": ids, "segment_spans": spans}], params, rid,
+                                    body.priority,
                                     _salt(request, body.cache_salt), bool(body.stream))
         with_ids = _returns_token_ids(state, body)
         if body.stream:
@@ -429,6 +432,12 @@ def _messages(messages) -> list[dict]:
     return out
 
 
+def _chat_ids_and_spans(tokenizer, messages: list[dict], tools, segments: bool):
+    """The chat's prompt ids and, when the engines reuse segments, each message's span."""
+    ids = chat_prompt_ids(tokenizer, messages, tools=tools)
+    return ids, message_spans(tokenizer, messages, ids, tools) if segments else ()
+
+
 def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
     """The chat's prompt ids (``chat_prompt_ids``: special-token text in messages stays text);
     ``add_special_tokens`` adds the tokenizer's BOS/EOS around them."""
@@ -452,12 +461,32 @@ def _user_text(messages: list[dict]) -> str:
     return "".join(m["content"] for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str))
 
 
+async def _segmented(state: ServerState, prompt: dict) -> dict:
+    """A prompt given as segment parts, tokenized on a worker thread (``encode_segments``): its
+    ids and each part's span; 400 naming ``prompt`` for a bad part."""
+    segments = prompt["segments"]
+    if any(isinstance(s, str) for s in segments):
+        state.require_tokenizer("prompt")
+        for s in segments:
+            if isinstance(s, str):
+                state.check_fits(s, "prompt")
+    try:
+        if state.tokenizers is None:
+            text, ids, spans = encode_segments(None, segments, state.vocab_size)
+        else:
+            text, ids, spans = await state.tokenizers.run(lambda tok: encode_segments(tok, segments, state.vocab_size))
+    except ValueError as e:
+        raise APIError(400, f"prompt: {e}", param="prompt") from None
+    return {"prompt": text, "prompt_token_ids": ids, "segment_spans": spans}
+
+
 async def _pretokenize(state: ServerState, prompts: list) -> list:
     """Tokenize text prompts on a worker thread, as the engine would, so the engine thread never
     does; a prompt whose size alone proves it cannot fit the context is refused first (400 naming
     ``prompt``, nothing tokenized), as is one that tokenizes past it. A prompt that fails to
     tokenize, or becomes no tokens, is passed on as text: the engine's error names what is wrong
     with it."""
+    prompts = [await _segmented(state, p) if isinstance(p, dict) and "segments" in p else p for p in prompts]
     texts = [p for p in prompts if isinstance(p, str) and p]
     if texts:
         state.require_tokenizer("prompt")

@@ -179,11 +179,27 @@ class _Common(BaseModel):
             structured_outputs=self.structured())
 
 
+class SegmentPart(BaseModel):
+    """One segment of a prompt given as a list of parts (segment reuse): ``text`` or
+    ``token_ids``. The parts make one prompt; their boundaries are the segments."""
+
+    model_config = STRICT
+    text: str | None = None
+    token_ids: TokenIds | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("prompt: each segment part needs exactly one of 'text' or 'token_ids'")
+        return self
+
+
 class CompletionRequest(_Common):
     """``echo`` prepends the prompt's text to each completion's text (OpenAI); ``prompt_logprobs``
-    (vLLM) returns each choice's prompt token logprobs plus the top-k's."""
+    (vLLM) returns each choice's prompt token logprobs plus the top-k's. A ``prompt`` given as a
+    list of ``{"text"}``/``{"token_ids"}`` parts is one prompt whose parts are its segments."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: str | list[str] | TokenIds | list[TokenIds] | list[SegmentPart]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
@@ -210,6 +226,8 @@ class CompletionRequest(_Common):
             return [p]
         if p and isinstance(p[0], int):
             return [{"prompt_token_ids": p}]
+        if p and isinstance(p[0], SegmentPart):
+            return [{"segments": [x.text if x.text is not None else x.token_ids for x in p]}]
         return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
 
 

@@ -51,6 +51,7 @@ class ServerState:
         self.pin_tenants: dict[str, str | None] = {}  # pin id -> the API-key tenant that made it
         facts = engine.model_facts
         self.max_model_len: int = facts.max_model_len
+        self.segment_reuse: bool = facts.segment_reuse
         self.vocab_size: int = facts.vocab_size
         self.default_sampling: dict = dict(facts.default_sampling)
         self.fingerprint = system_fingerprint(kvos.__version__, facts.model_id, facts.dtype, facts.device)
