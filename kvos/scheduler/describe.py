@@ -40,7 +40,22 @@ def _seq(s: ScheduledSeq) -> StepSeq:
                    list(drafts))
 
 
+def _earlier(s: ScheduledSeq) -> list[StepSeq]:
+    """A segment-reusing request's earlier ranges this step: sequences of their own (no samples)."""
+    req, k = s.request, s.request.sampling_params.prompt_logprobs
+    tables = [[b.block_id for b in t] for t in s.tables]
+    out = []
+    for start, n in s.earlier:
+        plp = (k, req.prompt_token_ids[start + 1: start + n + 1]) if k is not None else None
+        out.append(StepSeq(req.request_id, start, n, req.all_token_ids[start: start + n], tables, [], plp))
+    return out
+
+
 def describe_step(out: SchedulerOutput) -> StepDescription:
     """The runner's view of ``out``; call before the next ``schedule`` or output update."""
-    return StepDescription([_seq(s) for s in out.seqs], list(out.copies), list(out.finished_ids),
-                           list(out.segment_copies))
+    seqs = []
+    for s in out.seqs:
+        if s.earlier:
+            seqs += _earlier(s)
+        seqs.append(_seq(s))
+    return StepDescription(seqs, list(out.copies), list(out.finished_ids), list(out.segment_copies))

@@ -70,6 +70,15 @@ class ScheduledSeq:
     draft_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: the last ``len(draft_token_ids)`` of the step's tokens are these
     drafts, verified against the logits of every position from the last known token on."""
+    earlier: list[tuple[int, int]] = field(default_factory=list)
+    """Segment reuse: ranges ``(start, num_tokens)`` the request also computes this step, before
+    ``start`` and with reused spans between them (no samples; the runner treats each as a
+    sequence of its own with the same block table, all K/V written before any attends)."""
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Tokens computed this step: ``num_new_tokens`` plus the ``earlier`` ranges'."""
+        return self.num_new_tokens + sum(n for _, n in self.earlier)
 
     @property
     def block_ids(self) -> list[list[int]]:
@@ -115,7 +124,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+        return sum(s.num_step_tokens for s in self.seqs)
 
     @property
     def is_empty(self) -> bool:
@@ -278,16 +287,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            skip = spans = 0
+            ranges: list[tuple[int, int]] = []
             if req.reuse_spans:
-                skip, spans, num_new = SegmentReuse.chunk(req, req.num_computed_tokens, budget)
+                ranges, spans = SegmentReuse.chunk(req, req.num_computed_tokens, budget)
+                num_new = sum(n for _, n in ranges)
+                extent = ranges[-1][0] + ranges[-1][1] - req.num_computed_tokens
             else:
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                num_new = extent = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0 or (req.num_pending and req.length_reached_with_pending()):
                 i += 1
                 continue
             drafts = self._take_drafts(req, num_new, budget)
-            while not self.kv.allocate_slots(req, skip + num_new + len(drafts)):
+            while not self.kv.allocate_slots(req, extent + len(drafts)):
                 if drafts:  # no room to verify drafts: decode one token rather than preempt
                     drafts = []
                     continue
@@ -296,16 +307,17 @@ class Scheduler:
                     break
                 victim = max(self.running, key=self._victim_key)
                 if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                    budget += scheduled.pop(victim.request_id).num_step_tokens
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; running[i] is now the next one
-            if skip:
-                self._reuse(req, spans, skip)
-            scheduled[req.request_id] = self._scheduled(req, num_new, drafts)
+            if ranges:
+                scheduled[req.request_id] = self._reuse(req, spans, ranges)
+            else:
+                scheduled[req.request_id] = self._scheduled(req, num_new, drafts)
             budget -= num_new + len(drafts)
             i += 1
 
@@ -340,14 +352,16 @@ class Scheduler:
                         loads.append(load)
                         seats += self._seats(req)
                         continue
-                skip = spans = 0
+                ranges = []
                 if self.segments is not None and req.segments and not req.needs_all_prompt_positions:
                     self.segments.plan(req, hit_tokens)
                 if req.reuse_spans:
-                    skip, spans, num_new = SegmentReuse.chunk(req, hit_tokens, budget)
+                    ranges, spans = SegmentReuse.chunk(req, hit_tokens, budget)
+                    num_new = sum(n for _, n in ranges)
+                    extent = ranges[-1][0] + ranges[-1][1] - hit_tokens
                 else:
-                    num_new = min(req.num_tokens - hit_tokens, budget)
-                if not self.kv.allocate_slots(req, skip + num_new, hit_blocks):
+                    num_new = extent = min(req.num_tokens - hit_tokens, budget)
+                if not self.kv.allocate_slots(req, extent, hit_blocks):
                     if req.reuse_spans:
                         self.kv.release_borrowed(req.request_id)
                         req.reuse_spans, req.exact_tokens = [], None
@@ -364,14 +378,12 @@ class Scheduler:
                     req.cached_by_source = {"device": hit_tokens}
                 if req.reuse_spans:
                     self._count_reuse(req)
-                if skip:
-                    self._reuse(req, spans, skip)
                 if req.max_computed_tokens > hit_tokens:
                     self.kv.counters.recomputed_tokens += req.max_computed_tokens - hit_tokens
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 seats += self._seats(req)
-                scheduled[req.request_id] = self._scheduled(req, num_new)
+                scheduled[req.request_id] = self._reuse(req, spans, ranges) if ranges else self._scheduled(req, num_new)
                 budget -= num_new
 
         for req in self.running:  # drafts are for this step only (unscheduled ones are dropped)
@@ -391,13 +403,17 @@ class Scheduler:
         return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
                                finished_ids=finished, loads=loads, segment_copies=segment_copies)
 
-    def _reuse(self, req: Request, spans: int, skip: int) -> None:
-        """Fill ``req``'s first ``spans`` reuse spans (``skip`` tokens, allocated by now) from
-        their sources this step: they count as computed."""
+    def _reuse(self, req: Request, spans: int, ranges: list[tuple[int, int]]) -> ScheduledSeq:
+        """``req`` computes ``ranges`` this step (``SegmentReuse.chunk``, allocated by now) and
+        takes its first ``spans`` reuse spans from their sources (copies before the forward)."""
         assert self.segments is not None
         self._segment_copies += self.segments.copies(req, req.reuse_spans[:spans])
         del req.reuse_spans[:spans]
-        req.num_computed_tokens += skip
+        start, n = ranges[-1]
+        req.num_computed_tokens = start
+        s = self._scheduled(req, n)
+        s.earlier = ranges[:-1]
+        return s
 
     def _count_reuse(self, req: Request) -> None:
         """Count a fresh plan's spans: segment hits, reused and recomputed tokens, and the

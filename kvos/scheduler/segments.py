@@ -67,12 +67,14 @@ class SegmentReuse:
 
     def fills(self, req: Request) -> list[Request]:
         """Prefill-only requests that compute and cache ``req``'s segments not cached yet (one
-        per source, however many requests carry it; none for a segment the request's own prefix
-        computes the same way, right after the header at the prompt's start)."""
+        per source, however many requests carry it). None for a segment the request's own
+        prefix computes the same way (right after the header at the prompt's start), nor for the
+        last segment: the newest message or the question, rarely seen again elsewhere (a
+        conversation's next turn finds it in its exact prefix)."""
         if not self.kv.enable_caching:
             return []
         h, out = len(self.header), []
-        for i, (start, end) in enumerate(req.segments):
+        for i, (start, end) in enumerate(req.segments[:-1]):
             if start == h and req.prompt_token_ids[:h] == self.header:
                 continue
             chain, hashes = self._source(req, start, end)
@@ -121,17 +123,24 @@ class SegmentReuse:
         req.reuse_spans = []
 
     @staticmethod
-    def chunk(req: Request, pos: int, budget: int) -> tuple[int, int, int]:
-        """(tokens reused now, spans they cover, tokens to compute after them) for ``req``
-        computed up to ``pos``: the spans that start right there, then compute up to the next
-        span or the end, within ``budget``."""
-        spans = req.reuse_spans
-        skip = i = 0
-        while i < len(spans) and spans[i].start == pos + skip:
-            skip += spans[i].length
-            i += 1
-        stop = spans[i].start if i < len(spans) else req.num_tokens
-        return skip, i, min(stop - pos - skip, budget)
+    def chunk(req: Request, pos: int, budget: int) -> tuple[list[tuple[int, int]], int]:
+        """What ``req``, computed up to ``pos``, does in one step of ``budget`` tokens: the
+        ranges ``(start, num_tokens)`` it computes, in order, with the spans between them
+        reused (a span right at ``pos`` first); and how many of its spans that reuses. Every
+        range ends at a span or within the budget; at least one token is computed."""
+        spans, ranges, i = req.reuse_spans, [], 0
+        while budget > 0:
+            while i < len(spans) and spans[i].start == pos:
+                pos = spans[i].end
+                i += 1
+            stop = spans[i].start if i < len(spans) else req.num_tokens
+            n = min(stop - pos, budget)
+            ranges.append((pos, n))
+            budget -= n
+            pos += n
+            if pos < stop or i == len(spans):
+                break
+        return ranges, i
 
     def copies(self, req: Request, spans: list[ReuseSpan]) -> list[SegmentCopy]:
         """The slot copies that fill ``spans`` into ``req``'s blocks (allocated by now), per

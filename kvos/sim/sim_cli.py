@@ -18,7 +18,7 @@ from kvos.sim.tier import SimTierConfig
 
 SIM_ENGINE_FIELDS = ("block_size", "kv_layout", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                      "max_model_len", "scheduling_policy", "fairness_steps", "preemption_order", "eviction_policy",
-                     "eviction_lookahead")
+                     "eviction_lookahead", "segment_reuse", "segment_recompute")
 """The ``EngineConfig`` fields that shape a simulated engine (flags, defaults and checks are
 ``EngineConfig``'s; the pool's size comes from --cache-blocks/--cache-tokens/--cache-gb)."""
 SIM_TIER_FIELDS = ("write_policy", "tier_lookahead")
@@ -31,6 +31,8 @@ EXAMPLES = """examples:
   kvos simulate --synthetic --num-requests 500 --rate 8 --system-prompt-len 1000 --num-system-prompts 4 \\
                 --cache-gb 10 --scheduling-policy lpm
   kvos simulate --synthetic --turns 4 --allocator contiguous --max-model-len 4096
+  kvos simulate --synthetic --rag --num-docs 20 --doc-len 1000 --docs-per-prompt 4 --input-len 32:64 \
+                --system-prompt-len 200 --segment-reuse --segment-recompute 0.15
   kvos simulate --synthetic --model gemma-3-27b --allocator contiguous --kv-layout homogeneous --max-model-len 4096
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --limit 3000 \\
                 --sweep cache-size --sweep-policies lru fifo lfu belady --plot-dir plots/
@@ -65,6 +67,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-system-prompts", type=int, default=1)
     w.add_argument("--turns", type=int, default=1, help="turns per multi-turn session")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--rag", action="store_true",
+                   help="synthetic retrieval prompts: system prompt, --docs-per-prompt of --num-docs documents in "
+                        "random order, a question (--input-len is the question's length); with --segment-reuse")
+    w.add_argument("--num-docs", type=int, default=20)
+    w.add_argument("--doc-len", type=int, default=1000)
+    w.add_argument("--docs-per-prompt", type=int, default=4)
     m = p.add_argument_group("cost model")
     m.add_argument("--model", default="llama-3.1-8b",
                    help="preset, config.json or .gguf: sets the cost model and, for a hybrid model (sliding-window "
@@ -123,6 +131,12 @@ def load_workload(a: argparse.Namespace):
 
     if a.synthetic == bool(a.trace):
         raise ValueError("trace: give exactly one of --trace FILE or --synthetic")
+    if a.synthetic and a.rag:
+        return traces.rag(a.num_requests, a.rate, a.num_docs, a.doc_len, a.docs_per_prompt,
+                          _range(a.input_len, "input_len"), _range(a.output_len, "output_len"), a.system_prompt_len,
+                          a.seed)
+    if a.rag:
+        raise ValueError("rag: --rag generates a workload; give it with --synthetic")
     if a.synthetic:
         return traces.synthetic(a.num_requests, a.rate, _range(a.input_len, "input_len"),
                                 _range(a.output_len, "output_len"), a.system_prompt_len, a.num_system_prompts,
@@ -228,6 +242,11 @@ def format_report(r: dict) -> str:
                             f"served {r['tier_token_hit_rate']:.2%} of prompt tokens, loaded "
                             f"{r['tier_loaded_blocks']:,} blocks ({r['tier_load_busy_s']:,.2f} s of link time)")]
               if "tier_blocks" in r else []),
+            *([("segment reuse", f"recompute {r['segment_recompute']:.0%}: {r['segment_hits']:,} segment hits, "
+                                 f"{r['segment_reused_tokens']:,} tokens reused, {r['segment_recomputed_tokens']:,} "
+                                 f"recomputed; {r['segment_fills']:,} segments filled alone; prefix hits "
+                                 f"{r['prefix_hit_tokens']:,} tokens")]
+              if "segment_hits" in r else []),
             *([("group peak blocks", ", ".join(f"{b:,}" for b in r["group_peak_blocks"]))]
               if "group_peak_blocks" in r else []),
             ("simulated", f"{r['makespan_s']:,.1f} s in {r['steps']:,} steps; wall {r['sim_wall_s']:.1f} s")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -130,13 +131,14 @@ class SimExecutor:
         window = self.cost.sliding_window if self.cost.sliding_fraction else None
         sampled: dict[str, int] = {}
         for s in out.seqs:
-            end = s.start + s.num_new_tokens
-            tokens += s.num_new_tokens
-            context += end
-            pairs += s.num_new_tokens * (s.start + end + 1) // 2
-            if window:
-                w_context += min(end, window)
-                w_pairs += window_pairs(s.start, end, window)
+            for start, n in [*s.earlier, (s.start, s.num_new_tokens)]:
+                end = start + n
+                tokens += n
+                context += end
+                pairs += n * (start + end + 1) // 2
+                if window:
+                    w_context += min(end, window)
+                    w_pairs += window_pairs(start, end, window)
             for r in s.samplers:
                 sampled[r.request_id] = SIM_TOKEN
         if window:
@@ -258,8 +260,12 @@ class EngineSim:
         """Queue trace request ``index`` (``accepts`` must hold). ``at``: its arrival time; an
         idle engine's clock moves up to it."""
         r = self.trace[index]
+        spans: tuple[tuple[int, int], ...] = ()
+        if self.cfg.engine.segment_reuse and r.segments is not None:
+            ends = list(itertools.accumulate(n for _, n in r.segments))
+            spans = tuple((e - n, e) for (_, n), e in zip(r.segments, ends) if n)
         req = Request(str(index), r.prompt_tokens(index),
-                      SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+                      SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True), segments=spans)
         self.index_of[req.request_id] = index
         if at is not None and not self.scheduler.has_unfinished():
             self.clock = max(self.clock, at)
@@ -295,7 +301,9 @@ class EngineSim:
             raise RuntimeError("simulation stalled: the pool cannot hold the waiting requests")
         for s in out.seqs:
             req = s.request
-            if req.num_preemptions == 0 and s.start == req.num_cached_tokens and req.request_id not in self.first \
+            if req.prefill_only:  # a segment fill: the engine's own work, not a trace request
+                continue
+            if req.num_preemptions == 0 and req.request_id not in self.first \
                     and s.start < req.num_prompt_tokens and not getattr(req, "_counted", False):
                 req._counted = True  # type: ignore[attr-defined]
                 i = self.index_of[req.request_id]
@@ -390,6 +398,12 @@ class Simulator:
         if self.tier is not None:
             report.update(self.tier.report())
             report["tier_token_hit_rate"] = eng.tier_hit_tokens / eng.prompt_tokens if eng.prompt_tokens else 0.0
+        if cfg.engine.segment_reuse:
+            c = self.kv.counters
+            report.update({"segment_recompute": cfg.engine.segment_recompute, "segment_hits": c.segment_hits,
+                           "segment_reused_tokens": c.segment_reused_tokens,
+                           "segment_recomputed_tokens": c.segment_recomputed_tokens, "segment_fills": c.segment_fills,
+                           "prefix_hit_tokens": c.prefix_hits_tokens})
         report["running_mean"] = eng.running_sum / eng.steps if eng.steps else 0.0
         report["running_peak"] = eng.running_peak
         if cfg.layout is not None:

@@ -98,3 +98,24 @@ def synthetic(num_requests: int, rate: float, input_len: tuple[int, int], output
             session_t += rng.expovariate(rate / 4)
     reqs.sort(key=lambda r: r.arrival_s)
     return reqs
+
+
+def rag(num_requests: int, rate: float, num_docs: int, doc_len: int, docs_per_prompt: int,
+        question_len: tuple[int, int], output_len: tuple[int, int], system_prompt_len: int = 0,
+        seed: int = 0) -> list[TraceRequest]:
+    """Retrieval-augmented prompts: a shared system prompt, ``docs_per_prompt`` of ``num_docs``
+    documents (``doc_len`` tokens each) drawn at random in a random order, then a question of its
+    own; Poisson arrivals. The same document sits at many positions, so prefix caching serves
+    little of it and segment reuse most (each piece of ``segments`` is a segment)."""
+    if not 1 <= docs_per_prompt <= num_docs:
+        raise ValueError(f"docs_per_prompt must be in [1, num_docs={num_docs}], got {docs_per_prompt}")
+    rng = random.Random(seed)
+    t, reqs, question = 0.0, [], 1 << 41
+    for _ in range(num_requests):
+        t += rng.expovariate(rate)
+        pieces = [(1, system_prompt_len)] if system_prompt_len else []
+        pieces += [(2 + d, doc_len) for d in rng.sample(range(num_docs), docs_per_prompt)]
+        question += 1
+        pieces.append((question, rng.randint(*question_len)))
+        reqs.append(TraceRequest(t, sum(n for _, n in pieces), rng.randint(*output_len), segments=pieces))
+    return reqs

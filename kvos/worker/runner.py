@@ -129,6 +129,10 @@ class ModelRunner:
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
         """Called with (request ids, float32 logits rows) each step before sampling; a debugging
         and testing aid that must not modify the tensor."""
+        self.hidden_hook: Callable[[list[tuple[str, int]], torch.Tensor], None] | None = None
+        """Called after each forward pass with ((request id, position) per row, the final hidden
+        states ``[rows, hidden]``): an aid for benchmarks (``kvos bench segments`` computes the
+        logits of the rows it wants with ``model.compute_logits``); must not modify them."""
 
     @torch.inference_mode()
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
@@ -466,6 +470,9 @@ class ModelRunner:
         else:
             layer_metas = [metas[g] for g in self.layer_group]
             hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
+        if self.hidden_hook is not None:
+            order = sorted(step.seqs, key=lambda s: s.num_new_tokens != 1)  # _prepare's row order
+            self.hidden_hook([(s.request_id, s.start + i) for s in order for i in range(s.num_new_tokens)], hidden)
         if self.draft is not None:
             self.draft.fill_kv(input_ids, positions, metas, self.backend, slots, tables)
         pending_plp = self._launch_prompt_logprobs(hidden, *plp) if plp is not None else None
