@@ -8,6 +8,7 @@ from kvos.cache.tiers.hierarchy import WRITE_POLICIES
 from kvos.config.generation import GENERATION_CONFIGS, parse_override
 from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
 from kvos.scheduler.scheduler import SchedulerConfig
+from kvos.scheduler.segments import SEGMENT_HEADERS
 from kvos.spec.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
@@ -90,6 +91,11 @@ class EngineConfig:
     segment_recompute: float = field(default=SchedulerConfig.segment_recompute, metadata={
         "help": "segment reuse: the share of a reused segment's tokens recomputed, its first ones (1: exact, 0: "
                 "pure reuse)"})
+    segment_header: str = field(default=SchedulerConfig.segment_header, metadata={
+        "choices": SEGMENT_HEADERS,
+        "help": "segment reuse: a segment is cached after the model's header (BOS or nothing: reused after any "
+                "text) or after the prompt's first segment (first_segment: reused only after the same system "
+                "prompt, more accurately)"})
     preemption_order: str = field(default=SchedulerConfig.preemption_order, metadata={
         "choices": VICTIM_ORDERS,
         "help": "preemption victim: lowest priority, then the latest arrival (latest) or the one losing the "

@@ -12,7 +12,7 @@ from kvos.core.load import EngineLoad
 from kvos.core.request import Request, RequestStatus
 from kvos.core.step import SegmentCopy
 from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
-from kvos.scheduler.segments import SegmentReuse
+from kvos.scheduler.segments import SEGMENT_HEADERS, SegmentReuse
 
 
 @dataclass
@@ -38,6 +38,8 @@ class SchedulerConfig:
     (``kvos.scheduler.segments``); segments seen for the first time are computed alone too."""
     segment_recompute: float = 0.15
     """Segment reuse: the share of each reused segment's tokens (its first ones) recomputed."""
+    segment_header: str = "model"
+    """Segment reuse: what a segment is cached after (``kvos.scheduler.segments.SEGMENT_HEADERS``)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "fairness_steps"):
@@ -47,6 +49,8 @@ class SchedulerConfig:
         if (isinstance(self.segment_recompute, bool) or not isinstance(self.segment_recompute, (int, float))
                 or not 0 <= self.segment_recompute <= 1):
             raise ValueError(f"segment_recompute must be a number in [0, 1], got {self.segment_recompute!r}")
+        if self.segment_header not in SEGMENT_HEADERS:
+            raise ValueError(f"segment_header must be one of {SEGMENT_HEADERS}, got {self.segment_header!r}")
         if not isinstance(self.eviction_lookahead, int) or self.eviction_lookahead < 0:
             raise ValueError(f"eviction_lookahead must be a non-negative integer, got {self.eviction_lookahead!r}")
         for name, registry in (("scheduling_policy", WAITING_POLICIES), ("preemption_order", VICTIM_ORDERS)):
@@ -171,7 +175,8 @@ class Scheduler:
         tier (the engine's ``OffloadManager.lookup`` asks on its I/O thread and remembers)."""
         self.swapper: Swapper | None = None
         """Set for preemption by swap: a victim's computed blocks go to host memory and come back."""
-        self.segments = SegmentReuse(kv, config.segment_recompute) if config.segment_reuse else None
+        self.segments = (SegmentReuse(kv, config.segment_recompute, header_mode=config.segment_header)
+                         if config.segment_reuse else None)
         """Segment reuse's planner (its ``header`` is the engine's to set), or None."""
         self._segment_copies: list[SegmentCopy] = []
         self.num_steps = 0
@@ -422,7 +427,8 @@ class Scheduler:
         c.segment_hits += len(req.reuse_spans)
         c.segment_reused_tokens += reused
         assert self.segments is not None
-        c.segment_recomputed_tokens += sum(s.src_start - len(self.segments.header) for s in req.reuse_spans)
+        h = len(self.segments.header_of(req))
+        c.segment_recomputed_tokens += sum(s.src_start - h for s in req.reuse_spans)
         if not req.num_preemptions and req.cached_by_source.get("segment") is None:
             req.num_cached_tokens += reused
             req.cached_by_source["segment"] = reused

@@ -32,6 +32,12 @@ from kvos.core.request import Request
 from kvos.core.sampling_params import SamplingParams
 from kvos.core.step import SegmentCopy
 
+SEGMENT_HEADERS = ("model", "first_segment")
+"""What a segment's source chain starts with: ``model``, the tokenizer's prefix of every prompt
+(BOS, or nothing), so a segment is reused whatever precedes it; ``first_segment``, the prompt's
+first segment (a system prompt, a RAG instruction), so a segment is reused only after the same
+first segment, with KV that attended to it."""
+
 
 @dataclass
 class ReuseSpan:
@@ -53,14 +59,26 @@ class SegmentReuse:
     """Plans fills and reuse for requests with ``segments`` (``Scheduler`` with
     ``segment_reuse``). ``header``: the tokens every source chain starts with."""
 
-    def __init__(self, kv: KVCacheManager, recompute: float, header: list[int] | None = None) -> None:
+    def __init__(self, kv: KVCacheManager, recompute: float, header: list[int] | None = None,
+                 header_mode: str = "model") -> None:
+        if header_mode not in SEGMENT_HEADERS:
+            raise ValueError(f"segment_header must be one of {SEGMENT_HEADERS}, got {header_mode!r}")
         self.kv = kv
         self.recompute = recompute
         self.header = list(header or [])
+        """The model's header (the tokenizer's prefix of every prompt): the engine sets it."""
+        self.header_mode = header_mode
         self._filling: dict[BlockHash, str] = {}  # a pending fill's last full-block hash -> its id
 
+    def header_of(self, req: Request) -> list[int]:
+        """The tokens ``req``'s source chains start with: the model's header, or (mode
+        ``first_segment``) the prompt's first segment when it starts the prompt."""
+        if self.header_mode == "first_segment" and req.segments and req.segments[0][0] == 0:
+            return req.prompt_token_ids[: req.segments[0][1]]
+        return self.header
+
     def _source(self, req: Request, start: int, end: int) -> tuple[list[int], list[BlockHash]]:
-        chain = self.header + req.prompt_token_ids[start:end]
+        chain = self.header_of(req) + req.prompt_token_ids[start:end]
         hashes: list[BlockHash] = []
         extend_block_hashes(hashes, chain, self.kv.block_size, root_hash(self.kv.model_id, req.cache_salt))
         return chain, hashes
@@ -73,9 +91,9 @@ class SegmentReuse:
         conversation's next turn finds it in its exact prefix)."""
         if not self.kv.enable_caching:
             return []
-        h, out = len(self.header), []
+        out = []
         for i, (start, end) in enumerate(req.segments[:-1]):
-            if start == h and req.prompt_token_ids[:h] == self.header:
+            if self._at_start(req, start):
                 continue
             chain, hashes = self._source(req, start, end)
             if not hashes or hashes[-1] in self._filling:
@@ -89,6 +107,13 @@ class SegmentReuse:
             out.append(fill)
         return out
 
+    def _at_start(self, req: Request, start: int) -> bool:
+        """A segment at the prompt's start (from position 0, or right after the header there):
+        the request's own prefix computes it, and the prefix cache serves it."""
+        header = self.header_of(req)
+        h = len(header)
+        return start == 0 or (start == h and req.prompt_token_ids[:h] == header)
+
     def fill_done(self, fill: Request) -> None:
         self._filling = {k: v for k, v in self._filling.items() if v != fill.request_id}
 
@@ -97,11 +122,11 @@ class SegmentReuse:
         borrowed; sets ``req.reuse_spans`` and ``req.exact_tokens``. Segments that start
         before ``computed`` (the prefix cache served them) are left alone, and no span reaches
         the prompt's last token (its logits are computed)."""
-        bs, h = self.kv.block_size, len(self.header)
+        bs, h = self.kv.block_size, len(self.header_of(req))
         spans: list[ReuseSpan] = []
         last = req.num_prompt_tokens - 1
         for start, end in req.segments:
-            if start < computed or start >= last:
+            if start < computed or start >= last or self._at_start(req, start):
                 continue
             _, hashes = self._source(req, start, end)
             bound = min(len(hashes), (last - start + h) // bs)

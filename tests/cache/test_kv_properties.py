@@ -3,7 +3,9 @@
 A state machine interleaves start (with prefix hits), append, fork, free, abort and forced
 eviction on a real ``KVCacheManager``, while a shadow memory records which (salt, token) each
 slot holds, so overwriting a referenced block or sharing across tenants shows up as wrong
-content.
+content. Segment reuse's side of the memory system joins in: sequences whose KV is approximate
+from ``exact_tokens`` on (marked so in the shadow, and never to be found in the prefix index),
+borrowing another chain's cached blocks meanwhile.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from hypothesis.stateful import (
 
 from kvos.cache import FullAttentionSpec, KVCacheManager
 from kvos.cache.eviction import make_policy, online_policies
+from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.core.kv_events import AllCleared, CachedBlockSet
 
 POLICIES_UNDER_TEST = online_policies()
@@ -34,6 +37,7 @@ class Seq:
     num_computed_tokens: int = 0
     priority: int = 0
     extra: list[int] = field(default_factory=list)
+    exact_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +61,7 @@ class KVMachine(RuleBasedStateMachine):
         self.view = CachedBlockSet()  # a subscriber that sometimes misses a batch
         self.memory: dict[int, dict[int, tuple]] = {}
         self.active: list[Seq] = []
+        self.borrowed: dict[str, list] = {}  # sequence id -> blocks it borrows (segment sources)
         self.n = 0
 
     # -- helpers ---------------------------------------------------------------------------
@@ -67,9 +72,14 @@ class KVMachine(RuleBasedStateMachine):
         for pos in range(start, end):
             block = table[pos // self.bs]
             assert block.ref_cnt >= 1 and not block.is_null
-            self.memory.setdefault(block.block_id, {})[pos % self.bs] = (seq.cache_salt, seq.all_token_ids[pos])
+            self.memory.setdefault(block.block_id, {})[pos % self.bs] = self._content(seq, pos)
         seq.num_computed_tokens = end
         self.kv.cache_blocks(seq)
+
+    @staticmethod
+    def _content(seq: Seq, pos: int) -> tuple:
+        exact = seq.exact_tokens is None or pos < seq.exact_tokens
+        return (seq.cache_salt, seq.all_token_ids[pos]) if exact else (seq.cache_salt, seq.all_token_ids[pos], "approx")
 
     def _new_id(self) -> str:
         self.n += 1
@@ -88,6 +98,31 @@ class KVMachine(RuleBasedStateMachine):
         else:
             assert not self.kv.block_tables(seq.request_id)[0]
 
+    @rule(tokens=tokens_st, salt=salts, source=tokens_st, exact=st.integers(0, 40))
+    def start_reusing(self, tokens, salt, source, exact) -> None:
+        """A sequence that reuses segment KV from ``exact`` on, borrowing the cached blocks of
+        chain ``source`` (its tenant's) while it runs."""
+        seq = Seq(self._new_id(), list(tokens), salt, exact_tokens=exact)
+        hashes: list = []
+        extend_block_hashes(hashes, source, self.bs, root_hash("m", salt))
+        sources = self.kv.prefix_blocks(hashes, len(hashes))
+        self.kv.borrow(seq.request_id, sources)
+        hit, hit_tokens = self.kv.get_computed_blocks(seq)
+        if self.kv.allocate_slots(seq, seq.num_tokens - hit_tokens, hit):
+            seq.num_computed_tokens = hit_tokens
+            self._compute(seq, hit_tokens, seq.num_tokens)
+            self.active.append(seq)
+            self.borrowed[seq.request_id] = sources[0]
+        else:
+            self.kv.free(seq)  # gives the borrowed blocks back
+
+    @precondition(lambda self: self.borrowed)
+    @rule(i=st.integers(0, 100))
+    def release_borrowed(self, i) -> None:
+        rid = sorted(self.borrowed)[i % len(self.borrowed)]
+        self.kv.release_borrowed(rid)
+        del self.borrowed[rid]
+
     @precondition(lambda self: self.active)
     @rule(i=st.integers(0, 100), more=tokens_st)
     def append(self, i, more) -> None:
@@ -101,14 +136,17 @@ class KVMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def fork(self, i) -> None:
         parent = self.active[i % len(self.active)]
-        child = Seq(self._new_id(), list(parent.all_token_ids), parent.cache_salt, parent.num_computed_tokens)
+        child = Seq(self._new_id(), list(parent.all_token_ids), parent.cache_salt, parent.num_computed_tokens,
+                    exact_tokens=parent.exact_tokens)
         self.kv.fork(parent, child)
         self.active.append(child)
 
     @precondition(lambda self: self.active)
     @rule(i=st.integers(0, 100))
     def free(self, i) -> None:
-        self.kv.free(self.active.pop(i % len(self.active)))
+        seq = self.active.pop(i % len(self.active))
+        self.kv.free(seq)
+        self.borrowed.pop(seq.request_id, None)
 
     @rule(tokens=tokens_st, salt=salts)
     def abort_after_allocate(self, tokens, salt) -> None:
@@ -147,6 +185,9 @@ class KVMachine(RuleBasedStateMachine):
         for seq in self.active:
             for b in self.kv.block_tables(seq.request_id)[0]:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for blocks in self.borrowed.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
         assert u.used == len(refs)
         for block in self.kv.pool.blocks[1:]:
             assert block.ref_cnt == refs.get(block.block_id, 0), block
@@ -161,7 +202,15 @@ class KVMachine(RuleBasedStateMachine):
             table = self.kv.block_tables(seq.request_id)[0]
             for pos in range(seq.num_computed_tokens):
                 got = self.memory.get(table[pos // self.bs].block_id, {}).get(pos % self.bs)
-                assert got == (seq.cache_salt, seq.all_token_ids[pos]), (seq.request_id, pos)
+                assert got == self._content(seq, pos), (seq.request_id, pos)
+
+    @invariant()
+    def prefix_index_holds_only_exact_kv(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        for block in self.kv.pool.blocks[1:]:
+            if block.block_hash is not None:
+                assert all(len(c) == 2 for c in self.memory.get(block.block_id, {}).values()), block
 
     def block_cached(self, group: int, block, adopted: bool) -> None:
         pass
@@ -187,6 +236,7 @@ class KVMachine(RuleBasedStateMachine):
             return
         for seq in self.active:
             self.kv.free(seq)
+        self.borrowed.clear()
         u = self.kv.usage()
         assert u.used == 0 and u.free + u.cached == u.total
 
