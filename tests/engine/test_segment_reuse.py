@@ -36,21 +36,22 @@ def _rotate(k: torch.Tensor, delta: int, theta: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _reference(hf, prefix, doc, question, steps: int) -> tuple[list[int], torch.Tensor]:
+def _reference(hf, prefix, doc, question, steps: int, header=()) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens and first logits for prefix + doc + question when doc's KV is
-    its KV computed alone, keys rotated by len(prefix): the prefix computed exactly, then the
-    document's cache appended, then the question computed over both."""
+    its KV computed after ``header`` alone, keys rotated by len(prefix) - len(header): the prefix
+    computed exactly, then the document's cache appended, then the question computed over both."""
     from transformers import DynamicCache
 
     cfg = hf.config
     theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    h = len(header)
     pre = hf(torch.tensor([prefix]), use_cache=True).past_key_values
-    alone = hf(torch.tensor([doc]), use_cache=True).past_key_values
+    alone = hf(torch.tensor([[*header, *doc]]), use_cache=True).past_key_values
     cache = DynamicCache(config=cfg)
     for layer in range(cfg.num_hidden_layers):
         kp, vp = pre.layers[layer].keys, pre.layers[layer].values
-        kd, vd = alone.layers[layer].keys, alone.layers[layer].values
-        cache.update(torch.cat([kp, _rotate(kd, len(prefix), theta)], dim=2), torch.cat([vp, vd], dim=2), layer)
+        kd, vd = alone.layers[layer].keys[:, :, h:], alone.layers[layer].values[:, :, h:]
+        cache.update(torch.cat([kp, _rotate(kd, len(prefix) - h, theta)], dim=2), torch.cat([vp, vd], dim=2), layer)
     pos = len(prefix) + len(doc)
     ids, tokens, first = torch.tensor([question]), [], None
     for _ in range(steps):
@@ -87,6 +88,24 @@ def test_pure_reuse_equals_the_rotation_reference(make_llm, hf_model, texts):
         assert stats["segment_hits"] == 1 and stats["segment_reused_tokens"] == len(doc)
         assert out.outputs[0].token_ids == ref_tokens
         assert (logits - ref_logits).abs().max() < 1e-3
+
+
+def test_first_segment_header_equals_the_rotation_reference(make_llm, hf_model, tokenizer, texts):
+    """segment_header="first_segment": the document is cached after the prompt's first segment
+    (the instruction) and reused after another passage: its KV is the one computed after the
+    instruction, rotated by the passage's length. The document's tail past its source's last
+    full block is computed in place."""
+    prefix, doc, question = texts
+    other = tokenizer("A note that comes first in this prompt, before the passage itself.\n").input_ids
+    n = (len(prefix) + len(doc)) // BS * BS - len(prefix)  # document tokens the source's full blocks hold
+    ref_tokens, ref_logits = _reference(hf_model, prefix + other, doc[:n], doc[n:] + question, GREEDY.max_tokens,
+                                        header=prefix)
+    llm = make_llm(segment_reuse=True, segment_recompute=0.0, segment_header="first_segment")
+    llm.generate([{"segments": [prefix, doc, question]}], GREEDY, use_tqdm=False)  # caches prefix + doc
+    out, logits = _run(llm, {"segments": [prefix, other, doc, question]})
+    assert out.num_cached_tokens == n + len(prefix) // BS * BS
+    assert out.outputs[0].token_ids == ref_tokens
+    assert (logits - ref_logits).abs().max() < 1e-3
 
 
 def test_full_recompute_equals_full_prefill(make_llm, llm, texts):
