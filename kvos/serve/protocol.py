@@ -179,19 +179,22 @@ class _Common(BaseModel):
             structured_outputs=self.structured())
 
 
-class SegmentPart(BaseModel):
-    """One segment of a prompt given as a list of parts (segment reuse): ``text`` or
-    ``token_ids``. The parts make one prompt; their boundaries are the segments."""
+class TextSegment(BaseModel):
+    """One part of a prompt given as parts (segment reuse): text. The parts make one prompt;
+    their boundaries are the segments."""
 
     model_config = STRICT
-    text: str | None = None
-    token_ids: TokenIds | None = None
+    text: str
 
-    @model_validator(mode="after")
-    def _one(self):
-        if (self.text is None) == (self.token_ids is None):
-            raise ValueError("prompt: each segment part needs exactly one of 'text' or 'token_ids'")
-        return self
+
+class TokenSegment(BaseModel):
+    """One part of a prompt given as parts (segment reuse): token ids."""
+
+    model_config = STRICT
+    token_ids: TokenIds
+
+
+SegmentPart = TextSegment | TokenSegment
 
 
 class CompletionRequest(_Common):
@@ -226,8 +229,8 @@ class CompletionRequest(_Common):
             return [p]
         if p and isinstance(p[0], int):
             return [{"prompt_token_ids": p}]
-        if p and isinstance(p[0], SegmentPart):
-            return [{"segments": [x.text if x.text is not None else x.token_ids for x in p]}]
+        if p and isinstance(p[0], (TextSegment, TokenSegment)):
+            return [{"segments": [x.text if isinstance(x, TextSegment) else x.token_ids for x in p]}]
         return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
 
 

@@ -108,6 +108,7 @@ class KVMachine(RuleBasedStateMachine):
         sources = self.kv.prefix_blocks(hashes, len(hashes))
         self.kv.borrow(seq.request_id, sources)
         hit, hit_tokens = self.kv.get_computed_blocks(seq)
+        seq.exact_tokens = max(exact, hit_tokens)  # reuse starts after the exact prefix hit, as planned
         if self.kv.allocate_slots(seq, seq.num_tokens - hit_tokens, hit):
             seq.num_computed_tokens = hit_tokens
             self._compute(seq, hit_tokens, seq.num_tokens)

@@ -125,3 +125,33 @@ def test_sliding_group_holds_only_the_window(gemma_path, prompt_ids):
     stats = llm.stats()
     assert [g["kind"] for g in stats["groups"]] == ["full_attention", "sliding_window"]
     assert stats["used"] == 0
+
+
+def test_segment_reuse_rotates_local_and_global_keys(gemma_path, base):
+    """Segment reuse on Gemma 3: a document cached after BOS (the model's header) and reused
+    after another prefix gives transformers' tokens and logits when transformers is fed the same
+    KV rotated with each layer's own base (10,000 for the sliding layers, the global base for the
+    full ones: ``tests/support/segment_reference.py``)."""
+    from kvos.models.hf_bridge import hf_model_sharing_weights
+    from tests.support.segment_reference import reused_segment_reference
+
+    tok = base.get_tokenizer()
+    bos = tok("").input_ids
+    assert bos == [tok.bos_token_id]
+    prefix = tok("Read the ledger below, then answer the question after it.\n").input_ids
+    doc = tok(LONG_DOC, add_special_tokens=False).input_ids[:63]  # BOS + doc: four blocks of 16
+    question = tok("\nQuestion: what is listed first? Answer:", add_special_tokens=False).input_ids
+    hf = hf_model_sharing_weights(base.engine.runner.model).eval()
+    ref_tokens, ref_logits = reused_segment_reference(hf, prefix, doc, question, NEW_TOKENS, header=bos)
+    llm = LLM(model=str(gemma_path), kv_cache_memory_bytes=KV_BYTES, segment_reuse=True, segment_recompute=0.0)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": bos + doc}], greedy, use_tqdm=False)  # the source chain, cached
+    rows: list[torch.Tensor] = []
+    llm.engine.runner.logits_hook = lambda ids, logits: rows.append(logits[0].clone())
+    a, b = len(prefix), len(prefix) + len(doc)
+    out = llm.generate([{"prompt_token_ids": prefix + doc + question,
+                         "segment_spans": [(0, a), (a, b), (b, b + len(question))]}], greedy, use_tqdm=False)[0]
+    llm.engine.runner.logits_hook = None
+    assert out.num_cached_tokens == len(doc)
+    assert out.outputs[0].token_ids == ref_tokens
+    assert (rows[0] - ref_logits).abs().max() < 1e-3 * ref_logits.abs().max()

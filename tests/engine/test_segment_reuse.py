@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvos import SamplingParams
+from tests.support.segment_reference import reused_segment_reference
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -25,47 +26,6 @@ def texts(tokenizer):
     return prefix, doc, question
 
 
-def _rotate(k: torch.Tensor, delta: int, theta: float) -> torch.Tensor:
-    """Keys ``[.., seq, head_dim]`` rotated by ``delta`` positions: RoPE's rotate_half form."""
-    d = k.shape[-1]
-    angle = delta * (1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    cos = torch.cat([angle.cos(), angle.cos()]).float()
-    sin = torch.cat([angle.sin(), angle.sin()]).float()
-    rotated = torch.cat([-k[..., d // 2:], k[..., : d // 2]], dim=-1)
-    return k * cos + rotated * sin
-
-
-@torch.no_grad()
-def _reference(hf, prefix, doc, question, steps: int, header=()) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and first logits for prefix + doc + question when doc's KV is
-    its KV computed after ``header`` alone, keys rotated by len(prefix) - len(header): the prefix
-    computed exactly, then the document's cache appended, then the question computed over both."""
-    from transformers import DynamicCache
-
-    cfg = hf.config
-    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
-    h = len(header)
-    pre = hf(torch.tensor([prefix]), use_cache=True).past_key_values
-    alone = hf(torch.tensor([[*header, *doc]]), use_cache=True).past_key_values
-    cache = DynamicCache(config=cfg)
-    for layer in range(cfg.num_hidden_layers):
-        kp, vp = pre.layers[layer].keys, pre.layers[layer].values
-        kd, vd = alone.layers[layer].keys[:, :, h:], alone.layers[layer].values[:, :, h:]
-        cache.update(torch.cat([kp, _rotate(kd, len(prefix) - h, theta)], dim=2), torch.cat([vp, vd], dim=2), layer)
-    pos = len(prefix) + len(doc)
-    ids, tokens, first = torch.tensor([question]), [], None
-    for _ in range(steps):
-        n = ids.shape[1]
-        out = hf(ids, past_key_values=cache, position_ids=torch.arange(pos, pos + n)[None],
-                 cache_position=torch.arange(pos, pos + n), use_cache=True)
-        logits = out.logits[0, -1]
-        first = logits if first is None else first
-        tokens.append(int(logits.argmax()))
-        pos += n
-        ids = torch.tensor([[tokens[-1]]])
-    return tokens, first
-
-
 def _run(llm, prompt, salt=None):
     rows = []
     llm.engine.runner.logits_hook = lambda ids, logits: rows.append(logits[0].clone())
@@ -78,7 +38,7 @@ def _run(llm, prompt, salt=None):
 
 def test_pure_reuse_equals_the_rotation_reference(make_llm, hf_model, texts):
     prefix, doc, question = texts
-    ref_tokens, ref_logits = _reference(hf_model, prefix, doc, question, GREEDY.max_tokens)
+    ref_tokens, ref_logits = reused_segment_reference(hf_model, prefix, doc, question, GREEDY.max_tokens)
     for chunk in (2048, 24):  # one prefill step, and chunks that end inside and at the reused span
         llm = make_llm(segment_reuse=True, segment_recompute=0.0, max_num_batched_tokens=chunk)
         llm.generate([{"segments": [doc]}], GREEDY, use_tqdm=False)  # the document alone, at position 0
@@ -98,8 +58,8 @@ def test_first_segment_header_equals_the_rotation_reference(make_llm, hf_model, 
     prefix, doc, question = texts
     other = tokenizer("A note that comes first in this prompt, before the passage itself.\n").input_ids
     n = (len(prefix) + len(doc)) // BS * BS - len(prefix)  # document tokens the source's full blocks hold
-    ref_tokens, ref_logits = _reference(hf_model, prefix + other, doc[:n], doc[n:] + question, GREEDY.max_tokens,
-                                        header=prefix)
+    ref_tokens, ref_logits = reused_segment_reference(hf_model, prefix + other, doc[:n], doc[n:] + question,
+                                                      GREEDY.max_tokens, header=prefix)
     llm = make_llm(segment_reuse=True, segment_recompute=0.0, segment_header="first_segment")
     llm.generate([{"segments": [prefix, doc, question]}], GREEDY, use_tqdm=False)  # caches prefix + doc
     out, logits = _run(llm, {"segments": [prefix, other, doc, question]})
