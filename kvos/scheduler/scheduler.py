@@ -14,6 +14,9 @@ from kvos.core.step import SegmentCopy
 from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
 from kvos.scheduler.segments import SEGMENT_HEADERS, SegmentReuse
 
+NO_RANGES: list[tuple[int, int]] = []
+"""``Scheduler._chunk``'s ranges for a request without reuse spans (shared: never modified)."""
+
 
 @dataclass
 class SchedulerConfig:
@@ -292,13 +295,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            ranges: list[tuple[int, int]] = []
-            if req.reuse_spans:
-                ranges, spans = SegmentReuse.chunk(req, req.num_computed_tokens, budget)
-                num_new = sum(n for _, n in ranges)
-                extent = ranges[-1][0] + ranges[-1][1] - req.num_computed_tokens
-            else:
-                num_new = extent = min(req.num_tokens - req.num_computed_tokens, budget)
+            ranges, spans, num_new, extent = self._chunk(req, req.num_computed_tokens, budget)
             if num_new <= 0 or (req.num_pending and req.length_reached_with_pending()):
                 i += 1
                 continue
@@ -357,15 +354,9 @@ class Scheduler:
                         loads.append(load)
                         seats += self._seats(req)
                         continue
-                ranges = []
                 if self.segments is not None and req.segments and not req.needs_all_prompt_positions:
                     self.segments.plan(req, hit_tokens)
-                if req.reuse_spans:
-                    ranges, spans = SegmentReuse.chunk(req, hit_tokens, budget)
-                    num_new = sum(n for _, n in ranges)
-                    extent = ranges[-1][0] + ranges[-1][1] - hit_tokens
-                else:
-                    num_new = extent = min(req.num_tokens - hit_tokens, budget)
+                ranges, spans, num_new, extent = self._chunk(req, hit_tokens, budget)
                 if not self.kv.allocate_slots(req, extent, hit_blocks):
                     if req.reuse_spans:
                         self.kv.release_borrowed(req.request_id)
@@ -407,6 +398,18 @@ class Scheduler:
         segment_copies, self._segment_copies = self._segment_copies, []
         return SchedulerOutput(seqs=seqs, copies=self.kv.take_copies(), preempted=preempted,
                                finished_ids=finished, loads=loads, segment_copies=segment_copies)
+
+    @staticmethod
+    def _chunk(req: Request, pos: int, budget: int) -> tuple[list[tuple[int, int]], int, int, int]:
+        """What ``req``, computed up to ``pos``, does this step: (ranges it computes around its
+        reused spans, spans reused, tokens computed, tokens from ``pos`` to the last range's
+        end). Without pending reuse spans: no ranges, one plain chunk."""
+        if not req.reuse_spans:
+            n = min(req.num_tokens - pos, budget)
+            return NO_RANGES, 0, n, n
+        ranges, spans = SegmentReuse.chunk(req, pos, budget)
+        start, n = ranges[-1]
+        return ranges, spans, sum(k for _, k in ranges), start + n - pos
 
     def _reuse(self, req: Request, spans: int, ranges: list[tuple[int, int]]) -> ScheduledSeq:
         """``req`` computes ``ranges`` this step (``SegmentReuse.chunk``, allocated by now) and
