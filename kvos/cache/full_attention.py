@@ -88,9 +88,11 @@ class FullAttentionManager:
             return False
         return table[pos // self.block_size].ref_cnt > 1
 
-    def install(self, seq: CacheableSequence, new_computed: list[KVBlock], fresh: list[KVBlock]) -> None:
+    def install(self, seq: CacheableSequence, new_computed: list[KVBlock], fresh: list[KVBlock],
+                num_tokens: int) -> None:
         """Append the (already referenced) hit blocks, then copy-on-write the partial block if
-        shared, then append the ``fresh`` blocks (as many as ``num_new_blocks`` said)."""
+        shared, then append the ``fresh`` blocks (as many as ``num_new_blocks(seq, num_tokens,
+        new_computed)`` said)."""
         table = self.tables.setdefault(seq.request_id, [])
         table.extend(new_computed)
         fresh = list(fresh)

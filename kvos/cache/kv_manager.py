@@ -12,6 +12,7 @@ from kvos.cache.full_attention import FullAttentionManager
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.layout import CacheLayout, single_group_layout
 from kvos.cache.listener import BlockPoolListener, EventLogListener
+from kvos.cache.mamba_state import MambaStateManager
 from kvos.cache.page_pool import LargePagePool
 from kvos.cache.sequence import CacheableSequence
 from kvos.cache.sliding_window import SlidingWindowManager
@@ -20,7 +21,8 @@ from kvos.cache.stats import CacheCounters, CacheUsage
 from kvos.core.kv_events import KVSnapshot
 
 MANAGERS: dict[str, type[FullAttentionManager]] = {
-    "full_attention": FullAttentionManager, "sliding_window": SlidingWindowManager}
+    "full_attention": FullAttentionManager, "sliding_window": SlidingWindowManager,
+    "mamba_state": MambaStateManager}
 """The per-group manager for each kind of cache spec."""
 
 ComputedBlocks = list[list[KVBlock]]
@@ -59,7 +61,7 @@ class KVCacheManager:
         self.pools: list[BlockPool] = []
         self.managers: list[FullAttentionManager] = []
         for g, group in enumerate(layout.groups):
-            sliding = group.spec.kind == "sliding_window"
+            sliding = group.spec.kind in ("sliding_window", "mamba_state")  # no chain order
             if isinstance(policy, EvictionPolicy):
                 pol = policy
             elif sliding and (policy or "lru") == "lru":
@@ -121,7 +123,9 @@ class KVCacheManager:
         pages = 0
         for g, m in enumerate(self.managers):
             blocks = -(-num_tokens // bs)
-            if isinstance(m, SlidingWindowManager):
+            if isinstance(m, MambaStateManager):
+                blocks = m.peak_blocks(num_tokens, chunk)
+            elif isinstance(m, SlidingWindowManager):
                 blocks = min(blocks, -(-(m.window - 1 + chunk) // bs) + 1)
             pages += -(-blocks // self.layout.blocks_per_large_page(g))
         return pages
@@ -269,7 +273,7 @@ class KVCacheManager:
                 pool.free_blocks(reversed(h))
             return False
         for m, h, f in zip(self.managers, hits, fresh):
-            m.install(seq, h, f)
+            m.install(seq, h, f, total)
         self._tokens[seq.request_id] = total
         return True
 

@@ -14,9 +14,15 @@ Three layouts, for the same model, so they can be compared:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kvos.cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvos.cache.spec import (
+    CacheSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaStateSpec,
+    SlidingWindowSpec,
+)
 
 LAYOUTS = ("unified", "equal_pages", "homogeneous")
 
@@ -27,7 +33,7 @@ class CacheGroup:
     ``layers[i]`` (slots past ``len(layers)`` are padding). ``role`` says whose layers they
     are: the served model's, or a speculative draft model's (numbered after the target's)."""
 
-    spec: KVCacheSpec
+    spec: CacheSpec
     layers: tuple[int, ...]
     role: str = "model"
 
@@ -41,7 +47,8 @@ class CacheLayout:
     groups: tuple[CacheGroup, ...]
     mode: str = "unified"
     layer_windows: tuple[int | None, ...] = ()
-    """Each model layer's attention window (None: full): what its KV must really hold."""
+    """Each model layer's attention window (None: full, or a Mamba layer): what its KV must
+    really hold."""
 
     def __post_init__(self) -> None:
         if self.mode not in LAYOUTS:
@@ -79,6 +86,9 @@ class CacheLayout:
         layers. The floor that waste is measured against."""
         total = 0
         for g in self.groups:
+            if isinstance(g.spec, MambaStateSpec):
+                total += g.spec.page_bytes if num_tokens else 0  # one state, whatever the length
+                continue
             per_layer = g.spec.bytes_per_token // g.spec.num_layers
             total += sum(per_layer * (num_tokens if w is None else min(num_tokens, w - 1))
                          for w in (self.layer_windows[layer] for layer in g.layers))
@@ -103,10 +113,26 @@ def _spec(window: int | None, block_size: int, layers: int, kv_heads: int, head_
 
 
 def build_layout(layer_windows: list[int | None], block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: str = "float32", mode: str = "unified") -> CacheLayout:
-    """Group a model's layers by attention window (``None``: full attention) in ``mode``."""
+                 dtype: str = "float32", mode: str = "unified",
+                 state: MambaStateSpec | None = None, state_layers: tuple[int, ...] = ()) -> CacheLayout:
+    """Group a model's layers by attention window (``None``: full attention) in ``mode``; the
+    layers ``state_layers`` (Mamba) form one more group of ``state`` pages, after the attention
+    groups, in the same pool."""
     if mode not in LAYOUTS:
         raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {mode!r}")
+    if state_layers:
+        assert state is not None and state.num_layers == len(state_layers)
+        if mode == "equal_pages":
+            raise ValueError("kv_layout='equal_pages' cannot hold Mamba state pages (their size is not a KV "
+                             "page's); use 'unified' or 'homogeneous'")
+        attn = [i for i in range(len(layer_windows)) if i not in set(state_layers)]
+        if not attn:
+            groups: tuple[CacheGroup, ...] = ()
+        else:
+            inner = build_layout([layer_windows[i] for i in attn], block_size, num_kv_heads, head_dim, dtype, mode)
+            groups = tuple(CacheGroup(g.spec, tuple(attn[i] for i in g.layers), g.role) for g in inner.groups)
+            state = replace(state, page_align=math.lcm(*(g.spec.page_bytes for g in groups)))
+        return CacheLayout((*groups, CacheGroup(state, tuple(state_layers))), mode, tuple(layer_windows))
     windows = tuple(layer_windows)
     if mode == "homogeneous" or all(w is None for w in windows):
         spec = FullAttentionSpec(block_size, len(windows), num_kv_heads, head_dim, dtype)

@@ -91,3 +91,83 @@ class SlidingWindowSpec(KVCacheSpec):
     @property
     def kind(self) -> str:
         return "sliding_window"
+
+
+STATE_DTYPE_BYTES = 4
+"""Recurrent state is kept in float32 whatever the model's dtype (the scan accumulates in it)."""
+
+
+@dataclass(frozen=True)
+class MambaStateSpec:
+    """A group of Mamba2 layers: per request, each layer's conv state (the last ``conv_width``
+    inputs of its causal convolution, ``[conv_dim, conv_width]``) and SSM state (``[heads,
+    head_dim, state_size]``), float32. One page holds both states of every layer slot, the state
+    *after* some token: its size does not depend on ``block_size`` or on the request's length.
+
+    Block ``i`` of a request's state table holds the state after tokens ``[0, (i + 1) *
+    block_size)`` once the request has computed that far (before, the state after its last
+    computed token); positions holding no state are the null block. ``cache_every``: within a
+    prefill step, the state is also kept at every ``cache_every``-th block boundary (so a later
+    request can restore it), besides the step's last block. ``page_align``: the page is padded to
+    a multiple of it (the attention groups' page bytes, so that the pool's large page, the least
+    common multiple of every group's page, is one state page and not their product).
+    """
+
+    block_size: int
+    num_layers: int
+    conv_dim: int
+    conv_width: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    cache_every: int = 1
+    page_align: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.cache_every < 1:
+            raise ValueError(f"mamba_cache_every must be >= 1, got {self.cache_every}")
+
+    @property
+    def kind(self) -> str:
+        return "mamba_state"
+
+    @property
+    def quantized(self) -> bool:
+        return False
+
+    @property
+    def conv_floats(self) -> int:
+        return self.conv_dim * self.conv_width
+
+    @property
+    def ssm_floats(self) -> int:
+        return self.num_heads * self.head_dim * self.state_size
+
+    @property
+    def layer_bytes(self) -> int:
+        """One layer slot: its conv state, then its SSM state."""
+        return (self.conv_floats + self.ssm_floats) * STATE_DTYPE_BYTES
+
+    @property
+    def data_bytes(self) -> int:
+        """The states of every layer slot, before the page's padding."""
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return -(-self.data_bytes // self.page_align) * self.page_align
+
+    @property
+    def bytes_per_token(self) -> int:
+        """0: a state does not grow with the request (``page_bytes`` per request)."""
+        return 0
+
+    def num_blocks_for_memory(self, memory_bytes: int) -> int:
+        return memory_bytes // self.page_bytes
+
+
+CacheSpec = KVCacheSpec | MambaStateSpec
+"""What a cache group's pages hold: KV of attention layers, or recurrent state of Mamba layers."""

@@ -53,6 +53,10 @@ class EngineConfig:
         "choices": KV_LAYOUTS,
         "help": "hybrid (sliding-window) models: one pool of LCM-sized pages split per layer kind "
                 "(unified, Jenga), vLLM-style equal pages, or every layer keeping every token (homogeneous)"})
+    mamba_cache_every: int | None = field(default=None, metadata={
+        "help": "models with Mamba layers: keep a prefill's recurrent state at every Nth block boundary for "
+                "prefix caching (default: as many blocks as hold one state page's bytes of KV; 16 without "
+                "attention layers)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "flag": "--no-prefix-caching", "negate": True, "help": "turn automatic prefix caching off"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={

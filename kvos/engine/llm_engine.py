@@ -29,6 +29,7 @@ from kvos.core.request import Request, RequestStatus
 from kvos.core.sampling_params import SamplingParams
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.gc_tuning import relax_gc_thresholds
+from kvos.engine.state_layout import refuse_with_state, state_group
 from kvos.models.fingerprint import model_fingerprint
 from kvos.models.generation_defaults import model_sampling_defaults
 from kvos.models.loader import (
@@ -180,7 +181,7 @@ class LLMEngine:
         model_dtype = str(dtype).removeprefix("torch.")
         self.kv_cache_dtype = model_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.layout = build_layout(mc.layer_windows(), config.block_size, mc.num_kv_heads, mc.head_dim,
-                                   self.kv_cache_dtype, config.kv_layout)
+                                   self.kv_cache_dtype, config.kv_layout, *state_group(mc, config))
         draft = self.runner.draft
         if draft is not None and draft.owns_kv:
             dc = draft.cfg
@@ -192,6 +193,8 @@ class LLMEngine:
             raise ValueError(f"the KV budget holds fewer than two pages of {self.layout.large_page_bytes} bytes "
                              f"(kv_cache_memory_bytes={config.kv_cache_memory_bytes}, "
                              f"gpu_memory_utilization={config.gpu_memory_utilization})")
+        if mc.mamba is not None:
+            refuse_with_state(config, self.kv_cache_dtype, model_dtype)
         if len(self.layout.groups) > 1 and config.kv_transfer_gb:
             raise ValueError("kv_transfer_gb: disaggregated prefill sends one cache group's block rows (the "
                              f"sender's read_blocks), and this model's layout {config.kv_layout!r} has "
@@ -205,7 +208,7 @@ class LLMEngine:
                           else None)
         self.runner.allocate_kv_cache(self.layout, num_blocks)
         t_alloc = time.perf_counter()
-        if self.runner.device.type == "cuda" and not config.enforce_eager:
+        if self.runner.device.type == "cuda" and not config.enforce_eager and not self.runner.has_state:
             rows = config.max_num_seqs  # a verify step is a decode batch of k + 1 rows per sequence
             spec = config.speculative_config
             if spec is not None:

@@ -9,8 +9,44 @@ SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+    "bamba": "bamba", "BambaForCausalLM": "bamba",
+    "granitemoehybrid": "granitemoehybrid", "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "mamba2": "mamba2", "Mamba2ForCausalLM": "mamba2",
 }
-SUPPORTED_NAMES = "Llama, Mistral, Qwen2, Qwen3, Gemma 3"
+SUPPORTED_NAMES = "Llama, Mistral, Qwen2, Qwen3, Gemma 3, Bamba, Granite 4.0-H (GraniteMoeHybrid), Mamba2"
+HYBRID_ARCHS = ("bamba", "granitemoehybrid", "mamba2")
+"""Architectures with Mamba2 layers (``kvos.models.hybrid``)."""
+MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
+ATTENTION_LAYER_TYPES = ("attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    """A Mamba2 layer's sizes (``intermediate = num_heads * head_dim``) and constants."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    groups: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norm_eps: float = 1e-5
+    dt_min: float = 0.0
+    dt_max: float = float("inf")
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.groups * self.state_size
+
+    @property
+    def conv_width(self) -> int:
+        """Inputs the causal convolution keeps between steps."""
+        return self.conv_kernel - 1
 
 GEMMA3_DEFAULTS = {
     "vocab_size": 262208, "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
@@ -55,8 +91,27 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     """Attention scale ``query_pre_attn_scalar ** -0.5`` (Gemma); None: ``head_dim ** -0.5``."""
 
+    mamba: MambaShape | None = None
+    """The Mamba2 layers' shape (hybrid and pure Mamba2 models), else None."""
+    mamba_layers: list[int] = field(default_factory=list)
+    """The layers that are Mamba2 mixers (their state is a cache group of its own)."""
+    rotary_fraction: float = 1.0
+    """Share of each head's dimensions that RoPE rotates (the first ones; Bamba: 0.5); 0: no RoPE."""
+    attention_multiplier: float | None = None
+    """Attention scale (Granite); None: ``attn_scale``'s rule."""
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    """Logits are divided by it (Granite)."""
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    shared_intermediate_size: int = 0
+    """Granite 4.0-H: the shared MLP's width; the experts' is ``intermediate_size``."""
+
     @property
     def attn_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_window(self, layer: int) -> int | None:
@@ -79,6 +134,8 @@ class ModelConfig:
                              f"(supported: {SUPPORTED_NAMES})")
         if arch == "gemma3":
             return cls._gemma3_from_hf(cfg, name)
+        if arch in HYBRID_ARCHS:
+            return cls._hybrid_from_hf(arch, cfg, name)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "llama") else None
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -154,6 +211,87 @@ class ModelConfig:
             layer_types=list(layer_types), rope_local_theta=float(local_theta),
             query_pre_attn_scalar=t["query_pre_attn_scalar"])
 
+    @classmethod
+    def _hybrid_from_hf(cls, arch: str, cfg: dict, name: str) -> ModelConfig:
+        """Bamba, Granite 4.0-H and Mamba2 config.json files (their own field names and
+        transformers' defaults). Layer kinds: Bamba's ``attn_layer_indices``, Granite's
+        ``layer_types`` (``mamba``/``attention``, or transformers 5's
+        ``linear_attention``/``full_attention``); any other kind is refused, naming the layer."""
+        layers = cfg["num_hidden_layers"]
+        hidden = cfg["hidden_size"]
+        if arch == "mamba2":
+            kinds = ["mamba"] * layers
+            p = {"heads": cfg.get("num_heads", 128), "head_dim": cfg.get("head_dim", 64),
+                 "state": cfg.get("state_size", 128), "groups": cfg.get("n_groups", 8),
+                 "kernel": cfg.get("conv_kernel", 4), "expand": cfg.get("expand", 2),
+                 "conv_bias": cfg.get("use_conv_bias", True), "bias": cfg.get("use_bias", False),
+                 "eps": cfg.get("layer_norm_epsilon", 1e-5)}
+        else:
+            if arch == "bamba" and cfg.get("layer_types") is None:
+                attn = set(cfg.get("attn_layer_indices") or [])
+                kinds = ["attention" if i in attn else "mamba" for i in range(layers)]
+            else:
+                kinds = list(cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers)
+            heads = cfg.get("mamba_n_heads", 128)
+            d_head = cfg.get("mamba_d_head", "auto")
+            expand = cfg.get("mamba_expand", 2)
+            p = {"heads": heads, "head_dim": expand * hidden // heads if d_head == "auto" else d_head,
+                 "state": cfg.get("mamba_d_state", 256),
+                 "groups": cfg.get("mamba_n_groups", 1), "kernel": cfg.get("mamba_d_conv", 4), "expand": expand,
+                 "conv_bias": cfg.get("mamba_conv_bias", True), "bias": cfg.get("mamba_proj_bias", False),
+                 "eps": cfg.get("rms_norm_eps", 1e-5)}
+        if len(kinds) != layers:
+            raise ValueError(f"model: layer_types has {len(kinds)} entries for {layers} layers")
+        for i, kind in enumerate(kinds):
+            if kind not in MAMBA_LAYER_TYPES + ATTENTION_LAYER_TYPES:
+                raise ValueError(f"model: layer {i} has type {kind!r}, which kvos does not know "
+                                 f"(known: {', '.join(MAMBA_LAYER_TYPES + ATTENTION_LAYER_TYPES)})")
+        if p["heads"] * p["head_dim"] != p["expand"] * hidden:
+            raise ValueError(f"model: mamba heads x head_dim ({p['heads']} x {p['head_dim']}) must equal "
+                             f"expand x hidden_size ({p['expand']} x {hidden})")
+        limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+        dt_max = limit[1]
+        if isinstance(dt_max, dict) or dt_max is None:  # transformers writes inf as {"__float__": "Infinity"}
+            dt_max = float("inf")
+        shape = MambaShape(p["heads"], p["head_dim"], p["state"], p["groups"], p["kernel"], bool(p["conv_bias"]),
+                           bool(p["bias"]), float(p["eps"]), float(limit[0]), float(dt_max))
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        fraction = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if arch == "granitemoehybrid" and cfg.get("position_embedding_type", "nope") != "rope":
+            fraction = 0.0
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"model: rope scaling {rope.get('rope_type')!r} is not supported for {arch}")
+        heads = cfg.get("num_attention_heads", 1)
+        eos = cfg.get("eos_token_id")
+        granite = arch == "granitemoehybrid"
+        return cls(
+            arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            intermediate_size=cfg.get("intermediate_size", 0), vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5)), rope_theta=theta,
+            max_position_embeddings=cfg.get("max_position_embeddings", 1 << 20),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("attention_bias", False),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=cfg.get("bos_token_id"), name=name,
+            mamba=shape, mamba_layers=[i for i, k in enumerate(kinds) if k in MAMBA_LAYER_TYPES],
+            rotary_fraction=fraction,
+            attention_multiplier=cfg.get("attention_multiplier") if granite else None,
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
+            num_experts=cfg.get("num_local_experts", 0) if granite else 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if granite else 0,
+            shared_intermediate_size=cfg.get("shared_intermediate_size", 0) if granite else 0)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Layers that attend (every layer but the Mamba ones)."""
+        mamba = set(self.mamba_layers)
+        return [i for i in range(self.num_layers) if i not in mamba]
+
     @property
     def kv_bytes_per_token_fp32(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * 4

@@ -122,6 +122,10 @@ def model_class(cfg: ModelConfig) -> type[torch.nn.Module]:
         from kvos.models.gemma3 import Gemma3ForCausalLM
 
         return Gemma3ForCausalLM
+    if cfg.mamba is not None:
+        from kvos.models.hybrid import HybridForCausalLM
+
+        return HybridForCausalLM
     return LlamaForCausalLM
 
 

@@ -10,11 +10,13 @@ import numpy as np
 import torch
 
 from kvos.cache.layout import CacheLayout
+from kvos.cache.spec import MambaStateSpec
 from kvos.core.step import SampleTarget, StepDescription
 from kvos.kernels.kv_quant import TORCH_DTYPES as QUANTIZED_TORCH_DTYPES
 from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvos.models.loader import load_model
 from kvos.models.ops import triton_enabled
+from kvos.models.state import StateCache, state_metadata
 from kvos.worker.block_digest import page_digests
 from kvos.worker.cuda_graphs import DecodeGraphs
 from kvos.worker.draft_model import DraftModel
@@ -118,6 +120,8 @@ class ModelRunner:
         self.kv_layers: list[KVCache] = []
         """Per model layer: its (K, V) views ``[num_blocks, block_size, kv_heads, head_dim]``."""
         self.layer_group: list[int] = []
+        self._is_state: list[bool] = []
+        """Per cache group: True when it holds Mamba state pages (``StateMetadata``, not attention's)."""
         self.block_size = 0
         self._generators: dict[str, torch.Generator] = {}
         self._seed_streams: dict[str, SeedStream] = {}
@@ -193,6 +197,11 @@ class ModelRunner:
         for g, group in enumerate(layout.groups):
             s = group.spec
             nb = num_pages * layout.blocks_per_large_page(g)
+            if isinstance(s, MambaStateSpec):  # states are viewed per layer (_layer_views)
+                self.group_caches.append(self.kv_buffer.view(nb, s.page_bytes))
+                self.group_pages.append(self.group_caches[-1])
+                self.group_scales.append(None)
+                continue
             storage = QUANTIZED_TORCH_DTYPES.get(s.dtype) or parse_dtype(s.dtype)
             elem = torch.empty(0, dtype=storage).element_size()
             shape = (nb, s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
@@ -210,6 +219,7 @@ class ModelRunner:
                 scales = self.kv_buffer.view(torch.float32).as_strided(
                     sshape, (s.page_bytes // 4, 2 * kvh * bs, kvh * bs, 1, bs), s.data_bytes // 4)
             self.group_scales.append(scales)
+        self._is_state = [isinstance(g.spec, MambaStateSpec) for g in layout.groups]
         self.kv_layers, self.layer_group = self._layer_views(layout, range(c.num_layers))
         d = self.draft
         if d is not None:
@@ -224,12 +234,30 @@ class ModelRunner:
         for layer in layers:
             g, slot = layout.layer_slot(layer)
             view, scales = self.group_caches[g], self.group_scales[g]
-            if scales is None:
+            spec = layout.groups[g].spec
+            if isinstance(spec, MambaStateSpec):
+                kv_layers.append(self._state_views(spec, view.shape[0], slot))
+            elif scales is None:
                 kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1]))
             else:
                 kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1], scales[:, slot, 0], scales[:, slot, 1]))
             layer_group.append(g)
         return kv_layers, layer_group
+
+    def _state_views(self, s: MambaStateSpec, num_blocks: int, slot: int) -> StateCache:
+        """Layer slot ``slot``'s conv and SSM states in every block of a state group (float32)."""
+        assert self.kv_buffer is not None and s.page_bytes % 4 == 0 and s.layer_bytes % 4 == 0
+        words = self.kv_buffer.view(torch.float32)
+        page, base = s.page_bytes // 4, slot * s.layer_bytes // 4
+        conv = words.as_strided((num_blocks, s.conv_dim, s.conv_width), (page, s.conv_width, 1), base)
+        ssm = words.as_strided((num_blocks, s.num_heads, s.head_dim, s.state_size),
+                               (page, s.head_dim * s.state_size, s.state_size, 1), base + s.conv_floats)
+        return StateCache(conv, ssm)
+
+    @property
+    def has_state(self) -> bool:
+        """True when some cache group holds Mamba state (no decode CUDA graphs then)."""
+        return self.layout is not None and any(isinstance(g.spec, MambaStateSpec) for g in self.layout.groups)
 
     READ_CHUNK_BYTES = 256 << 20
     """Most device memory ``read_blocks`` gathers into at once (before each device-to-host copy)."""
@@ -429,7 +457,8 @@ class ModelRunner:
         metas = [AttentionMetadata(
             slot_mapping=slots_t[g], block_tables=tables_t[g], seq_lens=rest[:n], query_lens_list=qlist,
             seq_lens_list=slist, num_decodes=nd, block_size=bs, prefill_start_loc=rest[n:],
-            max_prefill_len=max_prefill) for g in range(G)]
+            max_prefill_len=max_prefill) if not self._is_state[g] else
+            state_metadata(bs, starts.tolist(), qlist, [b[g] for b in block_lists], nd) for g in range(G)]
         return input_ids, pos_t, metas, tables_t, slots_t, logit_idx, row_ids, sample_rows, targets, plp, drafts
 
     @torch.inference_mode()

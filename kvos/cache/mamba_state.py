@@ -1,0 +1,96 @@
+"""State tables of one Mamba layer group: a recurrent state per request, kept at block boundaries."""
+from __future__ import annotations
+
+from kvos.cache.block import BlockHash, KVBlock, block_kind
+from kvos.cache.full_attention import cdiv
+from kvos.cache.sequence import CacheableSequence
+from kvos.cache.sliding_window import SlidingWindowManager
+
+
+class MambaStateManager(SlidingWindowManager):
+    """Per-request tables of state pages (``MambaStateSpec``), indexed like KV blocks.
+
+    Position ``i`` of a table, when it is not the null block, holds the state after tokens
+    ``[0, min(c, (i + 1) * block_size))`` of a request that has computed ``c`` tokens. Rules:
+
+    - The *current* block, ``(c - 1) // block_size``, holds the state after the last computed
+      token and is the only one a step reads; a step writes its final state into the block of
+      its last token (in place when that is the current block: copy-on-write first when shared,
+      after ``fork``), and the state at each block boundary it crosses into the boundary's block
+      when that position has a page.
+    - Positions that get a page when allocated: the last of the step, and every block ending a
+      multiple of ``cache_every`` blocks (a prefill's checkpoints); the rest are null.
+    - A block behind the current one holds the state at its own boundary, exactly (the step that
+      crossed it wrote it): it is registered under the chain hash of its blocks and released, as a
+      sliding window of one token would (``SlidingWindowManager`` with ``window`` 2).
+    - A prefix hit of ``L`` blocks needs only block ``L - 1`` (the state after the prefix): the
+      table starts ``L - 1`` null blocks, then that block, which the request only reads (its next
+      token starts block ``L``).
+    Never write a registered block: the rules above guarantee it, since only the current block is
+    written in place and it is registered only once it lies behind a boundary the request passed.
+    """
+
+    @property
+    def window(self) -> int:
+        return 2  # the next token reads the state after the last computed one
+
+    @property
+    def cache_every(self) -> int:
+        return self.spec.cache_every  # type: ignore[attr-defined]
+
+    def _has_page(self, position: int, last: int) -> bool:
+        return position == last or (position + 1) % self.cache_every == 0
+
+    def num_new_blocks(self, seq: CacheableSequence, num_tokens: int, new_computed: list[KVBlock]) -> int:
+        table = self.tables.get(seq.request_id, [])
+        first, last = len(table) + len(new_computed), cdiv(num_tokens, self.block_size) - 1
+        new = sum(1 for i in range(first, last + 1) if self._has_page(i, last))
+        return new + (1 if self._needs_copy(seq, table) else 0)
+
+    def install(self, seq: CacheableSequence, new_computed: list[KVBlock], fresh: list[KVBlock],
+                num_tokens: int) -> None:
+        table = self.tables.setdefault(seq.request_id, [])
+        table.extend(new_computed)
+        fresh = list(fresh)
+        if self._needs_copy(seq, table):
+            i = seq.num_computed_tokens // self.block_size
+            src, dst = table[i], fresh.pop()
+            self.pool.free_blocks([src])
+            table[i] = dst
+            self.pending_copies.append((src.block_id, dst.block_id))
+            self.pool.counters.cow_copies += 1
+        last = cdiv(num_tokens, self.block_size) - 1
+        fresh.reverse()
+        for i in range(len(table), last + 1):
+            table.append(fresh.pop() if self._has_page(i, last) else self.pool.null_block)
+        assert not fresh, "install: fresh blocks left over"
+
+    def cache_blocks(self, seq: CacheableSequence, hashes: list[BlockHash], root: BlockHash,
+                     num_tokens: int | None = None) -> None:
+        """Register the state blocks among ``seq``'s first ``num_tokens`` (default computed)
+        tokens that hold their boundary's state: every non-null block ``i`` with ``(i + 1) *
+        block_size <= num_tokens``. Same safety rule as for KV (only once the step writing it was
+        launched)."""
+        if not self.pool.enable_caching:
+            return
+        table = self.tables.get(seq.request_id, [])
+        upto = seq.num_computed_tokens if num_tokens is None else min(num_tokens, seq.num_computed_tokens)
+        num_full = min(upto // self.block_size, len(hashes), len(table))
+        start = self._num_cached.get(seq.request_id, 0)
+        for i in range(start, num_full):
+            block = table[i]
+            if not block.is_null and block.block_hash is None:
+                self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else root, i, seq.priority,
+                                           kind=block_kind(i, self.block_size, getattr(seq, "num_prompt_tokens", None)))
+        if num_full > start:
+            self._num_cached[seq.request_id] = num_full
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """State pages one request of ``num_tokens`` holds at most, prefilled in chunks of
+        ``chunk``: the current block, one chunk's checkpoints and its last block."""
+        blocks = cdiv(num_tokens, self.block_size)
+        return min(blocks, 2 + cdiv(chunk, self.block_size * self.cache_every))
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        raise ValueError("a Mamba state cannot be rolled back to fewer tokens (speculative decoding is "
+                         "not supported with Mamba layers)")

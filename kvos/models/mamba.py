@@ -1,0 +1,144 @@
+"""The Mamba2 mixer (state-space duality) over paged recurrent state, in torch.
+
+One layer: ``in_proj`` to ``[z | xBC | dt]``, a depthwise causal convolution of ``xBC`` (kernel
+``conv_width + 1``) then SiLU, split into ``x`` (heads of ``head_dim``), ``B`` and ``C`` (``groups``
+of ``state_size``), the selective scan ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t
+C_t + D x_t``, a gated RMS norm per group (``y * silu(z)``), ``out_proj``. Parameter names follow
+transformers' ``Mamba2Mixer`` / ``BambaMixer`` / ``GraniteMoeHybridMambaLayer``.
+
+Decodes (one token) of a step run as one batch; each prefill chunk runs the scan in pieces that
+end at the step's save points (``SeqStates.saves``), each piece in the quadratic (attention-like)
+form over sub-chunks of at most ``SCAN_CHUNK`` tokens. Scan and states are float32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvos.models import ops
+from kvos.models.config import MambaShape
+from kvos.models.state import StateCache, StateMetadata
+
+SCAN_CHUNK = 64
+"""Longest run of tokens the quadratic form handles at once (its cost grows with its square)."""
+
+
+class GatedNormWeight(nn.Module):
+    """The gated RMS norm's weight (HF name ``norm.weight``); the norm runs in ``Mamba2Mixer``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, hidden_size: int, s: MambaShape) -> None:
+        super().__init__()
+        self.s = s
+        self.in_proj = ops.Linear(hidden_size, s.intermediate + s.conv_dim + s.num_heads, bias=s.proj_bias)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=s.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(s.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.num_heads))
+        self.D = nn.Parameter(torch.ones(s.num_heads))
+        self.norm = GatedNormWeight(s.intermediate)
+        self.out_proj = ops.Linear(s.intermediate, hidden_size, bias=s.proj_bias)
+
+    def forward(self, x: torch.Tensor, cache: StateCache, meta: StateMetadata) -> torch.Tensor:
+        """x: ``[T, hidden]`` rows of the step (``meta``'s order); returns ``[T, hidden]``.
+        Reads and writes the states ``meta`` names (see ``StateMetadata``'s safety rule)."""
+        s = self.s
+        z, xbc, dt = self.in_proj(x).split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(s.dt_min, s.dt_max)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(x.shape[0], s.intermediate, dtype=torch.float32, device=x.device)
+        nd = meta.num_decodes
+        if nd:
+            self._decode(xbc[:nd], dt[:nd], A, cache, meta, y[:nd])
+        for seq in meta.seqs[nd:]:
+            rows = slice(seq.row, seq.row + seq.num_tokens)
+            self._prefill(xbc[rows], dt[rows], A, cache, seq, y[rows])
+        return self.out_proj(self._gated_norm(y, z).to(x.dtype))
+
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight.squeeze(1)  # [conv_dim, kernel]
+
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved ``[n, conv_dim]`` to x ``[n, H, P]``, B and C ``[n, H, N]`` (groups expanded), float32."""
+        s = self.s
+        n = xbc.shape[0]
+        xs, B, C = xbc.float().split([s.intermediate, s.groups * s.state_size, s.groups * s.state_size], dim=-1)
+        rep = s.num_heads // s.groups
+        B = B.view(n, s.groups, s.state_size).repeat_interleave(rep, dim=1)
+        C = C.view(n, s.groups, s.state_size).repeat_interleave(rep, dim=1)
+        return xs.reshape(n, s.num_heads, s.head_dim), B, C
+
+    def _decode(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y) -> None:
+        nd = meta.num_decodes
+        seqs = meta.seqs[:nd]
+        reads = torch.tensor([q.read_block for q in seqs], device=xbc.device)
+        writes = torch.tensor([q.saves[-1][1] for q in seqs], device=xbc.device)
+        fresh = reads < 0
+        conv = cache.conv[reads.clamp(min=0)]
+        ssm = cache.ssm[reads.clamp(min=0)]
+        if bool(fresh.any()):
+            conv[fresh] = 0
+            ssm[fresh] = 0
+        window = torch.cat([conv, xbc.float().unsqueeze(-1)], dim=-1)  # [n, conv_dim, kernel]
+        out = (window * self._conv_weight().float()).sum(-1)
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias.float()
+        xs, B, C = self._split(F.silu(out))
+        dA = torch.exp(dt * A)  # [n, H]
+        ssm = ssm * dA[:, :, None, None] + (dt[:, :, None] * xs)[..., None] * B[:, :, None, :]
+        y.copy_((torch.einsum("nhpk,nhk->nhp", ssm, C) + self.D.float()[:, None] * xs).reshape(nd, -1))
+        cache.conv[writes] = window[:, :, 1:].to(cache.conv.dtype)
+        cache.ssm[writes] = ssm.to(cache.ssm.dtype)
+
+    def _prefill(self, xbc, dt, A, cache: StateCache, seq, y) -> None:
+        s = self.s
+        W = s.conv_width
+        if seq.read_block < 0:
+            prev = xbc.new_zeros(s.conv_dim, W, dtype=torch.float32)
+            h = xbc.new_zeros(s.num_heads, s.head_dim, s.state_size, dtype=torch.float32)
+        else:
+            prev, h = cache.conv[seq.read_block].float(), cache.ssm[seq.read_block].float()
+        full = torch.cat([prev, xbc.float().t()], dim=1)  # [conv_dim, W + n]
+        bias = self.conv1d.bias.float() if self.conv1d.bias is not None else None
+        conv = F.conv1d(full.unsqueeze(0), self._conv_weight().float().unsqueeze(1), bias, groups=s.conv_dim)
+        xs, B, C = self._split(F.silu(conv[0].t()))
+        D = self.D.float()[:, None]
+        a = 0
+        for b, block in seq.saves:
+            for lo in range(a, b, SCAN_CHUNK):
+                hi = min(b, lo + SCAN_CHUNK)
+                out, h = ssd_chunk(xs[lo:hi], dt[lo:hi], A, B[lo:hi], C[lo:hi], h)
+                y[lo:hi] = (out + D * xs[lo:hi]).reshape(hi - lo, -1)
+            a = b
+            cache.conv[block] = full[:, b: b + W].to(cache.conv.dtype)
+            cache.ssm[block] = h.to(cache.ssm.dtype)
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``weight * rmsnorm_per_group(y * silu(z))`` in float32 (transformers' gated norm)."""
+        s = self.s
+        g = (y * F.silu(z.float())).view(y.shape[0], s.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.norm_eps)
+        return self.norm.weight.float() * g.view(y.shape[0], -1)
+
+
+def ssd_chunk(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan over ``l`` tokens from state ``h0`` ``[H, P, N]`` in its quadratic form: x ``[l, H,
+    P]``, dt ``[l, H]`` (discretisation steps), A ``[H]``, B and C ``[l, H, N]``. Returns (``y``
+    without the D term, ``[l, H, P]``; the state after the last token)."""
+    cs = torch.cumsum(dt * A, dim=0)  # [l, H]: log of the decay from the start to each token
+    seg = cs[:, None, :] - cs[None, :, :]  # [t, s, H]: log decay from s to t
+    causal = torch.ones(seg.shape[:2], dtype=torch.bool, device=seg.device).tril()
+    decay = torch.exp(seg.masked_fill(~causal[..., None], float("-inf")))
+    xdt = x * dt[..., None]
+    scores = torch.einsum("thn,shn->tsh", C, B) * decay
+    y = torch.einsum("tsh,shp->thp", scores, xdt)
+    y = y + torch.exp(cs)[..., None] * torch.einsum("thn,hpn->thp", C, h0)
+    to_end = torch.exp(cs[-1][None, :] - cs)  # [l, H]
+    h = torch.exp(cs[-1])[:, None, None] * h0 + torch.einsum("sh,shp,shn->hpn", to_end, xdt, B)
+    return y, h

@@ -1,0 +1,65 @@
+"""Recurrent state as the Mamba layers read it: one layer's paged states and a step's state metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class StateCache(NamedTuple):
+    """One Mamba layer's paged states (float32 views into its group's pages): ``conv`` ``[num_blocks,
+    conv_dim, conv_width]`` (the last ``conv_width`` inputs of the causal convolution, oldest
+    first) and ``ssm`` ``[num_blocks, heads, head_dim, state_size]``. Block 0 is the null block:
+    never read, and writes to it are dropped."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+@dataclass
+class SeqStates:
+    """Where one sequence of a step reads and writes its state.
+
+    Rows ``[row, row + num_tokens)`` of the step are its new tokens. ``read_block``: the block
+    holding the state after its computed tokens (-1: none yet, start from zeros). ``saves``:
+    (number of the sequence's new tokens, block): after that many tokens, write the state into
+    the block; the last entry is always ``(num_tokens, block of the last token)``.
+    """
+
+    row: int
+    num_tokens: int
+    read_block: int
+    saves: list[tuple[int, int]]
+
+
+@dataclass
+class StateMetadata:
+    """A step's sequences in row order (decodes first), for every Mamba layer of one group.
+
+    Safety rule: every block named is referenced by its sequence for the whole step, and no two
+    sequences of a step write the same block (the state manager's copy-on-write guarantees it)."""
+
+    seqs: list[SeqStates]
+    num_decodes: int
+
+
+def state_metadata(block_size: int, starts: list[int], num_tokens: list[int], tables: list[list[int]],
+                   num_decodes: int) -> StateMetadata:
+    """The reads and writes the state tables call for (``MambaStateManager``): read the block
+    of token ``start - 1``; write the state at each block boundary crossed into that block when
+    it is not null, and the final state into the block of the last token."""
+    seqs, row = [], 0
+    for start, n, table in zip(starts, num_tokens, tables):
+        read = table[(start - 1) // block_size] if start else -1
+        assert read != 0, "the state after a sequence's computed tokens is in the null block"
+        end = start + n
+        saves = []
+        for b in range(start // block_size, (end - 1) // block_size):
+            boundary = (b + 1) * block_size  # start < boundary < end
+            if table[b] != 0:
+                saves.append((boundary - start, table[b]))
+        saves.append((n, table[(end - 1) // block_size]))
+        seqs.append(SeqStates(row, n, read, saves))
+        row += n
+    return StateMetadata(seqs, num_decodes)

@@ -1,0 +1,144 @@
+"""Bamba, Granite 4.0-H and Mamba2 (tiny random checkpoints written by transformers) in the
+engine on the CPU in fp32 against transformers on the same folders: greedy tokens identical and
+per-step logits within 1e-3 of the largest, on prompts of many blocks; the same with the state
+restored from the prefix cache, prefill in chunks that cross block boundaries, preemption in a
+pool too small for all requests, and n = 2 forks sharing the prompt's state."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvos import LLM, SamplingParams
+from tests.support.hybrid_checkpoints import ARCHS, VOCAB, write_checkpoint
+
+NEW_TOKENS = 10
+BLOCK = 4
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_case(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, VOCAB, (41,), generator=gen).tolist()
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 29, 70)]
+    prompts.append(shared + [5, 6, 7])  # shares 41 tokens (10 blocks) with the next one
+    prompts.append(shared + [9, 9])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = [hf_generate(hf, p) for p in prompts]
+    return request.param, path, prompts, reference
+
+
+@torch.inference_mode()
+def hf_generate(hf, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy ``generate`` with its own hybrid cache: tokens and each step's logits."""
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, len(ids):].tolist(), [row[0].float() for row in out.logits]
+
+
+def run(llm: LLM, prompts, n: int = 1):
+    logits: dict[str, list[torch.Tensor]] = {}
+    llm.engine.runner.logits_hook = lambda ids, rows: [logits.setdefault(i, []).append(r.clone())
+                                                       for i, r in zip(ids, rows)]
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=n),
+                            use_tqdm=False)
+    finally:
+        llm.engine.runner.logits_hook = None
+    return outs, logits
+
+
+def check(outs, logits, reference) -> None:
+    for o, (ref_tokens, ref_logits) in zip(outs, reference):
+        for c in o.outputs:
+            assert c.token_ids == ref_tokens, (len(o.prompt_token_ids), c.token_ids, ref_tokens)
+        ours = logits[o.request_id]
+        assert len(ours) == NEW_TOKENS
+        for step, (a, b) in enumerate(zip(ours, ref_logits)):
+            err, tol = (a - b).abs().max().item(), 1e-3 * b.abs().max().item()
+            assert err <= tol, f"step {step} of a {len(o.prompt_token_ids)}-token prompt: {err:.2e} > {tol:.2e}"
+
+
+def test_greedy_tokens_and_logits_match_transformers(arch_case):
+    arch, path, prompts, reference = arch_case
+    llm = LLM(model=str(path), block_size=BLOCK, skip_tokenizer_init=True, mamba_cache_every=1,
+              kv_cache_memory_bytes=16 << 20)
+    kinds = [g["kind"] for g in llm.stats()["groups"]]
+    assert kinds == (["mamba_state"] if arch == "mamba2" else ["full_attention", "mamba_state"])
+    outs, logits = run(llm, prompts[:4])
+    check(outs, logits, reference[:4])
+    # the state after the shared 40 tokens (block 9) was kept: the last prompt restores it
+    outs, logits = run(llm, prompts[4:])
+    check(outs, logits, reference[4:])
+    assert outs[0].num_cached_tokens == 40
+    outs, logits = run(llm, prompts)  # every prompt again: all hit
+    check(outs, logits, reference)
+    assert [o.num_cached_tokens for o in outs] == [0, 28, 68, 40, 40]
+    assert llm.stats()["used"] == 0
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_num_batched_tokens=7, mamba_cache_every=3),  # chunks end inside blocks; checkpoints every 3
+    dict(num_blocks=6, max_num_batched_tokens=32),  # too small for all at once: preemption
+], ids=["chunked", "preemption"])
+def test_scheduling_never_changes_the_answer(arch_case, options):
+    _, path, prompts, reference = arch_case
+    llm = LLM(model=str(path), block_size=BLOCK, skip_tokenizer_init=True, **options)
+    outs, logits = run(llm, prompts)
+    check(outs, logits, reference)
+    stats = llm.stats()
+    if "num_blocks" in options:
+        assert stats["preemptions"] > 0
+    else:
+        assert outs[4].num_cached_tokens == 36  # the checkpoint after block 8 (every 3rd block)
+    assert stats["used"] == 0
+
+
+def test_n2_forks_copy_the_shared_state(arch_case):
+    _, path, prompts, reference = arch_case
+    llm = LLM(model=str(path), block_size=BLOCK, skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)
+    outs, _ = run(llm, prompts[1:3], n=2)
+    for o, (ref_tokens, _) in zip(outs, reference[1:3]):
+        assert [c.token_ids for c in o.outputs] == [ref_tokens, ref_tokens]
+    assert llm.stats()["cow_copies"] > 0  # the forks' first decode wrote a copy of the prompt's state
+
+
+def test_unknown_layer_type_is_refused_naming_the_layer(tmp_path):
+    folder = write_checkpoint("granite", tmp_path / "g")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["layer_types"][2] = "gated_deltanet"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="layer 2 has type 'gated_deltanet'"):
+        LLM(model=str(folder), skip_tokenizer_init=True)
+
+
+def test_features_that_need_a_rewindable_cache_are_refused(tmp_path):
+    folder = write_checkpoint("mamba2", tmp_path / "m")
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(model=str(folder), skip_tokenizer_init=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="segment_reuse"):
+        LLM(model=str(folder), skip_tokenizer_init=True, segment_reuse=True)
+
+
+def test_state_pages_come_back_from_the_cpu_tier_and_stay_per_tenant(arch_case):
+    """With the device cache dropped, the shared prefix's KV and state come back from the CPU tier
+    (same tokens and logits); another tenant's request with the same tokens hits nothing."""
+    _, path, prompts, reference = arch_case
+    llm = LLM(model=str(path), block_size=BLOCK, skip_tokenizer_init=True, mamba_cache_every=1,
+              kv_cache_memory_bytes=16 << 20, cpu_cache_gb=0.05)
+    outs, logits = run(llm, prompts[3:4])
+    check(outs, logits, reference[3:4])
+    llm.reset_prefix_cache()
+    outs, logits = run(llm, prompts[4:])
+    check(outs, logits, reference[4:])
+    src = outs[0].metrics["cached_tokens_by_source"]
+    assert src.get("cpu", 0) == 40 and src.get("device", 0) == 0, src
+    other = llm.generate([{"prompt_token_ids": prompts[4]}], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                         ignore_eos=True), use_tqdm=False, cache_salt="tenant-b")[0]
+    assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == reference[4][0]
