@@ -18,8 +18,10 @@ class MambaStateManager(SlidingWindowManager):
       its last token (in place when that is the current block: copy-on-write first when shared,
       after ``fork``), and the state at each block boundary it crosses into the boundary's block
       when that position has a page.
-    - Positions that get a page when allocated: the last of the step, and every block ending a
-      multiple of ``cache_every`` blocks (a prefill's checkpoints); the rest are null.
+    - Positions that get a page when allocated: the last of the step, every block ending a
+      multiple of ``cache_every`` blocks (a prefill's checkpoints), and for a sequence being
+      swapped back in the block of its last swapped token (where its saved state goes); the rest
+      are null.
     - A block behind the current one holds the state at its own boundary, exactly (the step that
       crossed it wrote it): it is registered under the chain hash of its blocks and released, as a
       sliding window of one token would (``SlidingWindowManager`` with ``window`` 2).
@@ -38,13 +40,18 @@ class MambaStateManager(SlidingWindowManager):
     def cache_every(self) -> int:
         return self.spec.cache_every  # type: ignore[attr-defined]
 
-    def _has_page(self, position: int, last: int) -> bool:
-        return position == last or (position + 1) % self.cache_every == 0
+    def _has_page(self, position: int, last: int, restore: int = -1) -> bool:
+        return position == last or position == restore or (position + 1) % self.cache_every == 0
+
+    def _restore_block(self, seq: CacheableSequence) -> int:
+        swapped = getattr(seq, "swapped_tokens", 0)
+        return (swapped - 1) // self.block_size if swapped else -1
 
     def num_new_blocks(self, seq: CacheableSequence, num_tokens: int, new_computed: list[KVBlock]) -> int:
         table = self.tables.get(seq.request_id, [])
         first, last = len(table) + len(new_computed), cdiv(num_tokens, self.block_size) - 1
-        new = sum(1 for i in range(first, last + 1) if self._has_page(i, last))
+        restore = self._restore_block(seq)
+        new = sum(1 for i in range(first, last + 1) if self._has_page(i, last, restore))
         return new + (1 if self._needs_copy(seq, table) else 0)
 
     def install(self, seq: CacheableSequence, new_computed: list[KVBlock], fresh: list[KVBlock],
@@ -59,10 +66,10 @@ class MambaStateManager(SlidingWindowManager):
             table[i] = dst
             self.pending_copies.append((src.block_id, dst.block_id))
             self.pool.counters.cow_copies += 1
-        last = cdiv(num_tokens, self.block_size) - 1
+        last, restore = cdiv(num_tokens, self.block_size) - 1, self._restore_block(seq)
         fresh.reverse()
         for i in range(len(table), last + 1):
-            table.append(fresh.pop() if self._has_page(i, last) else self.pool.null_block)
+            table.append(fresh.pop() if self._has_page(i, last, restore) else self.pool.null_block)
         assert not fresh, "install: fresh blocks left over"
 
     def cache_blocks(self, seq: CacheableSequence, hashes: list[BlockHash], root: BlockHash,

@@ -28,5 +28,9 @@ class CacheableSequence(Protocol):
     """KV from this position on is approximate (segment reuse) and is never registered; None:
     all exact. Read with ``getattr(seq, "exact_tokens", None)`` (simulated sequences may lack it)."""
 
+    swapped_tokens: int
+    """Tokens whose cache waits in host memory to be copied back (swap preemption), else 0: the
+    state group keeps a page where their last state goes back. Read with ``getattr``."""
+
     @property
     def num_tokens(self) -> int: ...

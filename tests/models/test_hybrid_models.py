@@ -85,7 +85,8 @@ def test_greedy_tokens_and_logits_match_transformers(arch_case):
 @pytest.mark.parametrize("options", [
     dict(max_num_batched_tokens=7, mamba_cache_every=3),  # chunks end inside blocks; checkpoints every 3
     dict(num_blocks=6, max_num_batched_tokens=32),  # too small for all at once: preemption
-], ids=["chunked", "preemption"])
+    dict(num_blocks=6, max_num_batched_tokens=32, preemption_mode="swap", swap_space_gb=0.05),
+], ids=["chunked", "preemption", "swap"])
 def test_scheduling_never_changes_the_answer(arch_case, options):
     _, path, prompts, reference = arch_case
     llm = LLM(model=str(path), block_size=BLOCK, skip_tokenizer_init=True, **options)
@@ -94,6 +95,8 @@ def test_scheduling_never_changes_the_answer(arch_case, options):
     stats = llm.stats()
     if "num_blocks" in options:
         assert stats["preemptions"] > 0
+        if options.get("preemption_mode") == "swap":
+            assert stats["swapped_in_blocks"] > 0, stats
     else:
         assert outs[4].num_cached_tokens == 36  # the checkpoint after block 8 (every 3rd block)
     assert stats["used"] == 0
