@@ -101,6 +101,10 @@ class BlockPool:
         """Unreferenced cached blocks: in the policy or parked behind their children."""
         return len(self.evictor) + len(self._parked) + len(self._held)
 
+    def plain_free_in_page(self, page: int) -> int:
+        """Free blocks holding nothing in large page ``page`` (0 for a page of another group)."""
+        return self._plain_in_page[page] if self.pages.owner[page] == self.group else 0
+
     def num_free_blocks(self) -> int:
         """Blocks this group can take now without evicting another group's content."""
         return len(self.plain_free) + self.num_evictable() + self.pages.num_free() * self.per_page

@@ -445,10 +445,9 @@ class KVCacheManager:
         live = sum(self.layout.live_bytes(n) for n in self._tokens.values())
         fragment = 0  # free small pages inside large pages that running requests hold
         for p, m in zip(self.pools, self.managers):
-            for block in p.plain_free if p.per_page > 1 else ():
-                first = block.block_id // p.per_page * p.per_page
-                if any(b.ref_cnt > 0 for b in p.blocks[first: first + p.per_page]):
-                    fragment += m.spec.page_bytes
+            if p.per_page > 1:
+                pages = {b.block_id // p.per_page for t in m.tables.values() for b in t if not b.is_null}
+                fragment += sum(p.plain_free_in_page(page) for page in pages) * m.spec.page_bytes
         held = referenced + fragment
         waste = max(0, held - live)
         return {"held_bytes": held, "live_bytes": live, "fragmentation_bytes": fragment,

@@ -169,5 +169,15 @@ class MambaStateSpec:
         return memory_bytes // self.page_bytes
 
 
+PURE_STATE_CACHE_EVERY = 16
+"""``cache_every`` by default for a model without attention layers (no KV to weigh a state against)."""
+
+
+def default_cache_every(state_page_bytes: int, kv_block_bytes: int) -> int:
+    """The blocks whose KV (``kv_block_bytes`` each, every attention layer) weighs one state
+    page: a prefill's state checkpoints then hold at most as much memory as its KV."""
+    return -(-state_page_bytes // kv_block_bytes) if kv_block_bytes else PURE_STATE_CACHE_EVERY
+
+
 CacheSpec = KVCacheSpec | MambaStateSpec
 """What a cache group's pages hold: KV of attention layers, or recurrent state of Mamba layers."""

@@ -1,20 +1,13 @@
 """The cache group of a model's Mamba layers, and the engine features that cannot serve it yet."""
 from __future__ import annotations
 
-from kvos.cache.spec import MambaStateSpec
+from kvos.cache.spec import MambaStateSpec, default_cache_every
 from kvos.config.engine import EngineConfig
 from kvos.models.config import ModelConfig
 
-PURE_MAMBA_CACHE_EVERY = 16
-"""``mamba_cache_every`` by default for a model without attention layers (no KV to weigh a
-state page against)."""
-
-
 def state_group(mc: ModelConfig, config: EngineConfig) -> tuple[MambaStateSpec | None, tuple[int, ...]]:
     """(the state pages' spec, the Mamba layers) for ``build_layout``; (None, ()) without Mamba
-    layers. ``mamba_cache_every`` by default: the blocks whose KV (every attention layer, the
-    cache dtype's bytes) weighs one state page, so that a prefill's state checkpoints never hold
-    more memory than its KV."""
+    layers. ``mamba_cache_every`` by default: ``default_cache_every`` with 16-bit KV."""
     m = mc.mamba
     if m is None:
         return None, ()
@@ -22,9 +15,8 @@ def state_group(mc: ModelConfig, config: EngineConfig) -> tuple[MambaStateSpec |
                           m.head_dim, m.state_size)
     every = config.mamba_cache_every
     if every is None:
-        attn = len(mc.attention_layers)
-        kv_block = 2 * attn * mc.num_kv_heads * mc.head_dim * 2 * config.block_size  # 16-bit KV
-        every = -(-spec.page_bytes // kv_block) if attn else PURE_MAMBA_CACHE_EVERY
+        kv_block = 2 * len(mc.attention_layers) * mc.num_kv_heads * mc.head_dim * 2 * config.block_size  # 16-bit KV
+        every = default_cache_every(spec.page_bytes, kv_block)
     return MambaStateSpec(**{**spec.__dict__, "cache_every": every}), tuple(mc.mamba_layers)
 
 

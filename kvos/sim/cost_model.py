@@ -31,27 +31,33 @@ class CostModel:
     compute_scale: float = 1.0
     sliding_window: int | None = None
     sliding_fraction: float = 0.0
+    state_bytes_per_seq: float = 0.0
+    """Mamba layers: each scheduled sequence reads and writes its whole state once per step."""
 
     @classmethod
     def for_model(cls, shape: ModelShape, gpu: GPU, weight_dtype: str = "bf16", kv_dtype: str = "fp16",
                   tp: int = 1) -> CostModel:
-        per_token = kv_bytes_per_token(shape.num_layers, max(1, shape.num_kv_heads // tp), shape.head_dim, kv_dtype)
+        per_token = kv_bytes_per_token(shape.attention_layers, max(1, shape.num_kv_heads // tp), shape.head_dim,
+                                       kv_dtype)
         return cls(weight_bytes=shape.params * WEIGHT_BYTES[weight_dtype] / tp, kv_bytes_per_token=per_token,
                    params=shape.params / tp,
-                   attn_flops_per_pair=4 * shape.num_layers * shape.num_heads * shape.head_dim / tp,
+                   attn_flops_per_pair=4 * shape.attention_layers * shape.num_heads * shape.head_dim / tp,
                    bandwidth=gpu.bandwidth, flops=gpu.flops,
                    sliding_window=shape.sliding_window if shape.sliding_layers else None,
-                   sliding_fraction=shape.sliding_layers / shape.num_layers)
+                   sliding_fraction=shape.sliding_layers / shape.num_layers,
+                   state_bytes_per_seq=shape.state_bytes_per_request() / tp)
 
     def step_time(self, num_tokens: int, context_tokens: int, attn_pairs: int,
-                  window_context: int | None = None, window_pairs: int | None = None) -> float:
+                  window_context: int | None = None, window_pairs: int | None = None, num_seqs: int = 0) -> float:
         """``window_context`` / ``window_pairs``: the same counted with each query seeing at most
-        ``sliding_window`` keys (default: the unwindowed figures)."""
+        ``sliding_window`` keys (default: the unwindowed figures). ``num_seqs``: sequences of the
+        step (each moves its Mamba state, ``state_bytes_per_seq``, twice)."""
         if self.sliding_fraction and window_context is not None:
             f = self.sliding_fraction
             context_tokens = (1 - f) * context_tokens + f * window_context
             attn_pairs = (1 - f) * attn_pairs + f * (window_pairs if window_pairs is not None else attn_pairs)
-        mem = (self.weight_bytes + context_tokens * self.kv_bytes_per_token) / self.bandwidth
+        mem = (self.weight_bytes + context_tokens * self.kv_bytes_per_token
+               + 2 * num_seqs * self.state_bytes_per_seq) / self.bandwidth
         comp = (2 * self.params * num_tokens + self.attn_flops_per_pair * attn_pairs) / self.flops
         return self.overhead_s + max(mem * self.mem_scale, comp * self.compute_scale)
 

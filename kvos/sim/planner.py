@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvos.cache.full_attention import cdiv
 from kvos.cache.layout import LAYOUTS, CacheLayout, build_layout, with_draft_group
-from kvos.cache.spec import KVCacheSpec
+from kvos.cache.spec import CacheSpec, MambaStateSpec, default_cache_every
 from kvos.sim.hardware import GIB, GPU, KV_DTYPES, WEIGHT_BYTES, kv_bytes_per_token
 from kvos.sim.shapes import ModelShape
 
@@ -66,17 +66,33 @@ def window_blocks(window: int, block_size: int) -> int:
     return cdiv(window - 1, block_size) + 1
 
 
-def group_blocks(spec: KVCacheSpec, tokens: int) -> int:
+STATE_PAGES_PER_REQUEST = 1
+"""State pages a decoding request holds: one, plus a second during the one step in
+``block_size`` that crosses a block boundary (it reads the state of one block and writes the
+next, ``MambaStateManager``), which the planner leaves to the engine's preemption."""
+
+
+def group_blocks(spec: CacheSpec, tokens: int) -> int:
     """Blocks one cache group holds for a request of ``tokens`` tokens (at its peak)."""
+    if isinstance(spec, MambaStateSpec):
+        return min(STATE_PAGES_PER_REQUEST, cdiv(tokens, spec.block_size))
     blocks = cdiv(tokens, spec.block_size)
     window = getattr(spec, "window", None)
     return blocks if window is None else min(blocks, window_blocks(window, spec.block_size))
 
 
 def model_layout(shape: ModelShape, kv_dtype: str, block_size: int, mode: str, tp: int = 1) -> CacheLayout:
-    """The cache layout the engine would build for ``shape`` on one GPU of a TP group."""
+    """The cache layout the engine would build for ``shape`` on one GPU of a TP group (a Mamba
+    model's state group with the engine's default ``mamba_cache_every``)."""
+    state = None
+    if shape.mamba is not None:
+        m = shape.mamba
+        state = MambaStateSpec(block_size, len(shape.mamba_layers), m.conv_dim, m.conv_width, m.num_heads,
+                               m.head_dim, m.state_size)
+        kv_block = kv_per_layer_token(shape, "fp16", tp) * shape.attention_layers * block_size
+        state = MambaStateSpec(**{**state.__dict__, "cache_every": default_cache_every(state.page_bytes, kv_block)})
     return build_layout(shape.layer_windows(), block_size, kv_heads_per_gpu(shape, tp), shape.head_dim,
-                        KV_DTYPES.get(kv_dtype, kv_dtype), mode)
+                        KV_DTYPES.get(kv_dtype, kv_dtype), mode, state, shape.mamba_layers)
 
 
 def draft_layout(shape: ModelShape, draft: ModelShape, kv_dtype: str, block_size: int, mode: str,
@@ -128,9 +144,11 @@ def layout_capacity(layout: CacheLayout, tokens: int, kv_memory: int) -> dict:
 
 def plan_layouts(shape: ModelShape, kv_dtype: str, block_size: int, tokens: int, kv_memory: int,
                  tp: int = 1) -> dict[str, dict]:
-    """``layout_capacity`` of each layout, homogeneous first."""
+    """``layout_capacity`` of each layout, homogeneous first (a Mamba model has no equal-pages
+    layout: its state pages are not a KV page's size)."""
+    modes = [m for m in LAYOUT_ORDER if not (shape.mamba is not None and m == "equal_pages")]
     return {mode: layout_capacity(model_layout(shape, kv_dtype, block_size, mode, tp), tokens, kv_memory)
-            for mode in LAYOUT_ORDER}
+            for mode in modes}
 
 
 def kv_bytes_for_len(shape: ModelShape, per_layer: int, tokens: int, block_size: int | None) -> int:
@@ -145,7 +163,7 @@ def kv_bytes_for_len(shape: ModelShape, per_layer: int, tokens: int, block_size:
         if shape.sliding_window:
             slide_blocks = min(slide_blocks, window_blocks(shape.sliding_window, block_size))
         slide = slide_blocks * block_size
-    return per_layer * (shape.full_layers * full + shape.sliding_layers * slide)
+    return per_layer * ((shape.full_layers - len(shape.mamba_layers)) * full + shape.sliding_layers * slide)
 
 
 def plan(p: PlanInput) -> dict:
@@ -162,8 +180,9 @@ def plan(p: PlanInput) -> dict:
               + 256 * s.vocab_size * 4 // tp)
     budget = int(g.memory_bytes * p.gpu_memory_utilization)
     kv_memory = max(0, budget - weights - act) if p.kv_cache_memory_bytes is None else p.kv_cache_memory_bytes
-    per_req_exact = kv_bytes_for_len(s, per_layer, total_len, None) + draft_per_token * total_len
-    contiguous_req = (per_layer * s.num_layers + draft_per_token) * total_len  # Era 1: max length, every layer
+    state = s.state_bytes_per_request()
+    per_req_exact = kv_bytes_for_len(s, per_layer, total_len, None) + draft_per_token * total_len + state
+    contiguous_req = (per_layer * s.attention_layers + draft_per_token) * total_len + state  # Era 1: max length
     layouts = None
     if d is not None:  # the draft's group shares the pool: the cache's own layout sizes it
         paged = layout_capacity(draft_layout(s, d, p.kv_dtype, p.block_size, "unified", tp), mean_len, kv_memory)
@@ -182,20 +201,24 @@ def plan(p: PlanInput) -> dict:
         num_pages = kv_memory // page if page else 0
     max_contig = kv_memory // contiguous_req if contiguous_req else 0
     batch = max(1, min(max_paged, 4096))
-    kv_read = kv_bytes_for_len(s, per_layer, mean_len, None) * batch
+    kv_read = (kv_bytes_for_len(s, per_layer, mean_len, None) + 2 * state) * batch  # a state is read and written
     step_mem = (weights - draft_weights + kv_read) / g.bandwidth  # the target's plain decode step
     step_flops = 2 * s.params / tp * batch / g.flops
     step = max(step_mem, step_flops) + p.step_overhead_s
-    by_type = {"full_attention": {"layers": s.full_layers, "bytes_per_token": per_layer * s.full_layers}}
+    attn_full = s.full_layers - len(s.mamba_layers)
+    by_type = {"full_attention": {"layers": attn_full, "bytes_per_token": per_layer * attn_full}}
     if s.sliding_layers:
         by_type["sliding_window"] = {"layers": s.sliding_layers, "window": s.sliding_window,
                                      "bytes_per_token": per_layer * s.sliding_layers,
                                      "bytes_per_request_capped": per_layer * s.sliding_layers
                                      * min(total_len, s.sliding_window or total_len)}
+    if s.mamba is not None:
+        by_type["mamba_state"] = {"layers": len(s.mamba_layers), "bytes_per_token": 0, "bytes_per_request": state}
     out = {
         "model": s.name, "gpu": g.name, "tensor_parallel": tp, "weight_dtype": p.weight_dtype,
         "kv_dtype": p.kv_dtype, "params": s.params, "context_len": total_len, "block_size": p.block_size,
-        "kv_bytes_per_token": per_layer * s.num_layers + draft_per_token,
+        "kv_bytes_per_token": per_layer * s.attention_layers + draft_per_token,
+        "state_bytes_per_request": state,
         "kv_bytes_per_token_by_layer_type": by_type,
         "kv_bytes_per_request": per_req_exact,
         "kv_gib_per_request": per_req_exact / GIB,
@@ -236,6 +259,10 @@ def format_plan(r: dict) -> str:
                                        f"{r['draft_kv_bytes_per_token']:,} B/token of KV (its own cache group)"))
     if layouts:  # the unified layout's groups: one per kind of layer
         for g in layouts["unified"]["groups"]:
+            if g["kind"] == "mamba_state":
+                rows.append(("  mamba_state", f"{len(g['layers'])} layers, {gib(r['state_bytes_per_request'])} of "
+                                              f"state per request (any length), pages of {g['page_bytes']:,} B"))
+                continue
             extra = (f", window {g['window']:,} (holds <= {g['blocks_per_request']:,} blocks)"
                      if g["window"] is not None else "")
             rows.append((f"  {g['kind']}", f"{len(g['layers'])} layers, {g['bytes_per_token']:,} B/token{extra}"))
@@ -272,7 +299,8 @@ def _groups_text(lay: dict) -> tuple[str, str]:
     """(layer slots per group, blocks per request per group), runs of like groups folded."""
     runs: list[list] = []  # [kind, slots, blocks, count]
     for g in lay["groups"]:
-        key = ["full" if g["window"] is None else "sliding", len(g["layers"]) + g["padding_layers"],
+        kind = "state" if g["kind"] == "mamba_state" else "full" if g["window"] is None else "sliding"
+        key = [kind, len(g["layers"]) + g["padding_layers"],
                g["blocks_per_request"]]
         if runs and runs[-1][:3] == key:
             runs[-1][3] += 1

@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvos.models.config import HYBRID_ARCHS, SUPPORTED_ARCHS, MambaShape, ModelConfig
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -26,6 +28,12 @@ class ModelShape:
     sliding_layers: int = 0
     num_params: int | None = None
     layer_types: tuple[str, ...] | None = None
+    mamba: MambaShape | None = None
+    """The Mamba2 layers' shape (hybrid models): their state is a page per request, whatever its length."""
+    mamba_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    """A mixture of experts per layer (Granite 4.0-H) of ``expert_intermediate`` each, beside the MLP."""
+    expert_intermediate: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.sliding_layers <= self.num_layers:
@@ -44,9 +52,20 @@ class ModelShape:
         return self.num_layers - self.sliding_layers
 
     @property
+    def attention_layers(self) -> int:
+        return self.num_layers - len(self.mamba_layers)
+
+    @property
     def is_hybrid(self) -> bool:
-        """Some layers slide: the cache layouts (homogeneous, equal pages, unified) differ."""
-        return self.sliding_layers > 0
+        """Some layers slide or keep Mamba state: the cache has several groups."""
+        return self.sliding_layers > 0 or bool(self.mamba_layers)
+
+    def state_bytes_per_request(self) -> int:
+        """Every Mamba layer's conv and SSM state (float32): what one request holds in the state group."""
+        m = self.mamba
+        if m is None:
+            return 0
+        return len(self.mamba_layers) * (m.conv_dim * m.conv_width + m.num_heads * m.head_dim * m.state_size) * 4
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's attention window (None: full attention), as ``build_layout`` takes it."""
@@ -66,9 +85,17 @@ class ModelShape:
         if self.num_params is not None:
             return self.num_params
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        attn = h * q + 2 * h * kv + q * h
+        mlp = 3 * h * self.intermediate_size + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return embed + self.num_layers * per_layer + h
+        mixer = 0
+        if self.mamba is not None:
+            m = self.mamba
+            mixer = h * (m.intermediate + m.conv_dim + m.num_heads) + m.conv_dim * (m.conv_kernel + 1) \
+                + 3 * m.num_heads + m.intermediate * (h + 1)
+        experts = self.num_experts * (3 * h * self.expert_intermediate + h)
+        return embed + self.attention_layers * (attn + mlp) + len(self.mamba_layers) * (mixer + mlp) \
+            + self.num_layers * experts + h
 
 
 PRESETS: dict[str, ModelShape] = {s.name: s for s in [
@@ -85,10 +112,27 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
                sliding_window=1024, sliding_layers=40),
     ModelShape("gemma-3-27b", 62, 32, 16, 128, 5376, 21504, 262208, tie_embeddings=True,
                sliding_window=1024, sliding_layers=52),
+    # transformers' BambaConfig defaults (its reference checkpoint: Bamba-9.8B), attention at 9, 18, 27
+    ModelShape("bamba-9b", 32, 32, 8, 128, 4096, 14336, 128000, mamba=MambaShape(128, 64, 256, 1, 4),
+               mamba_layers=tuple(i for i in range(32) if i not in (9, 18, 27))),
 ]}
 
 
+def _hybrid_shape(cfg: dict, name: str) -> ModelShape:
+    """Bamba, Granite 4.0-H and Mamba2 configs, read as the engine does (``ModelConfig``)."""
+    mc = ModelConfig.from_hf(cfg, name)
+    return ModelShape(name=name or mc.arch, num_layers=mc.num_layers, num_heads=mc.num_heads,
+                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, hidden_size=mc.hidden_size,
+                      intermediate_size=mc.shared_intermediate_size or mc.intermediate_size,
+                      vocab_size=mc.vocab_size, tie_embeddings=mc.tie_word_embeddings, mamba=mc.mamba,
+                      mamba_layers=tuple(mc.mamba_layers), num_experts=mc.num_experts,
+                      expert_intermediate=mc.intermediate_size if mc.num_experts else 0)
+
+
 def shape_from_hf_config(cfg: dict, name: str = "") -> ModelShape:
+    archs = cfg.get("architectures") or [cfg.get("model_type", "")]
+    if SUPPORTED_ARCHS.get(archs[0], SUPPORTED_ARCHS.get(cfg.get("model_type", ""))) in HYBRID_ARCHS:
+        return _hybrid_shape(cfg, name)
     text = cfg.get("text_config", cfg)
     if str(text.get("model_type") or cfg.get("model_type") or "").startswith("gemma3"):
         return _gemma3_shape(cfg, name)

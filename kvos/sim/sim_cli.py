@@ -212,7 +212,9 @@ def format_report(r: dict) -> str:
     if "kv_layout" in r:
         runs: list[list] = []  # [text, count]
         for g in r["kv_groups"]:
-            text = (f"{'full' if g['window'] is None else 'sliding ' + str(g['window'])} x {g['layers']} layers"
+            kind = ("mamba state" if g.get("kind") == "mamba_state" else
+                    "full" if g["window"] is None else "sliding " + str(g["window"]))
+            text = (f"{kind} x {g['layers']} layers"
                     f"{' (+' + str(g['padding_layers']) + ' pad)' if g['padding_layers'] else ''}, "
                     f"{g['blocks_per_large_page']}/page")
             if runs and runs[-1][0] == text:

@@ -142,8 +142,8 @@ class SimExecutor:
             for r in s.samplers:
                 sampled[r.request_id] = SIM_TOKEN
         if window:
-            return sampled, self.cost.step_time(tokens, context, pairs, w_context, w_pairs)
-        return sampled, self.cost.step_time(tokens, context, pairs)
+            return sampled, self.cost.step_time(tokens, context, pairs, w_context, w_pairs, num_seqs=len(out.seqs))
+        return sampled, self.cost.step_time(tokens, context, pairs, num_seqs=len(out.seqs))
 
 
 def percentiles(xs: list[float], prefix: str) -> dict:

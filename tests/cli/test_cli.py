@@ -75,7 +75,8 @@ def other_value(f: dataclasses.Field) -> tuple[list[str], object]:
         return [flag], not default
     if isinstance(default, float):
         return [flag, "0.25"], 0.25
-    if isinstance(default, int) or f.name in ("kv_cache_memory_bytes", "num_blocks", "max_model_len"):
+    if isinstance(default, int) or f.name in ("kv_cache_memory_bytes", "num_blocks", "max_model_len",
+                                              "mamba_cache_every"):
         value = (default or 3) + 1
         return [flag, str(value)], value
     return [flag, "x"], "x"
