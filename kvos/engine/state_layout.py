@@ -5,6 +5,7 @@ from kvos.cache.spec import MambaStateSpec, default_cache_every
 from kvos.config.engine import EngineConfig
 from kvos.models.config import ModelConfig
 
+
 def state_group(mc: ModelConfig, config: EngineConfig) -> tuple[MambaStateSpec | None, tuple[int, ...]]:
     """(the state pages' spec, the Mamba layers) for ``build_layout``; (None, ()) without Mamba
     layers. ``mamba_cache_every`` by default: ``default_cache_every`` with 16-bit KV."""
