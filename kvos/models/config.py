@@ -258,6 +258,8 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         fraction = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if arch == "bamba":
+            fraction = 0.5  # transformers' Bamba rotates half of each head whatever config.json says
         if arch == "granitemoehybrid" and cfg.get("position_embedding_type", "nope") != "rope":
             fraction = 0.0
         if rope.get("rope_type", "default") not in ("default", None):
