@@ -5,7 +5,7 @@ multi-turn workload's later-turn TTFT with the state restored from the prefix ca
 - **Decode**: ``--batch`` requests of ``--context`` tokens decode ``--decode-tokens`` tokens; the
   decode time per step is (whole run - the same run with one output token) / (steps - 1). Its
   floor: weights, plus per sequence its KV context (attention layers) and its state read and
-  written once, over the GPU's bandwidth (``kvos.sim.hardware``).
+  written once, over the GPU's measured copy bandwidth (``kvos.bench.roofline``).
 - **Prefill**: one prompt of ``--prefill`` tokens, one output token: TTFT against ``max(2 x
   params x tokens + attention FLOPs / peak, weights / bandwidth)``.
 - **Multi-turn**: ``--conversations`` chats of ``--turns`` turns; each turn's prompt is the chat so
@@ -73,8 +73,7 @@ def run(a: argparse.Namespace) -> dict:
     from kvos import LLM
     from kvos.bench.machine import machine_info
     from kvos.config.flags import engine_kwargs
-    from kvos.sim.hardware import resolve_gpu
-    from kvos.sim.shapes import resolve_shape
+    from kvos.bench.roofline import measure_ceilings
 
     kw = engine_kwargs(a)
     llm = LLM(**kw)
@@ -82,7 +81,10 @@ def run(a: argparse.Namespace) -> dict:
     mc = eng.model_config
     if mc.mamba is None:
         raise ValueError(f"model: {kw['model']} has no Mamba layers")
-    gpu = resolve_gpu(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    if not torch.cuda.is_available():
+        raise ValueError("kvos bench state-cache measures against a GPU's roofline: no GPU here")
+    ceilings = measure_ceilings()
+    bandwidth, peak = ceilings["hbm_GBps"] * 1e9, ceilings["bf16_gemm_TFLOPs"] * 1e12
     params = sum(p.numel() for p in eng.runner.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
     state = next(g.spec for g in eng.layout.groups if g.spec.kind == "mamba_state").data_bytes
@@ -90,7 +92,7 @@ def run(a: argparse.Namespace) -> dict:
     attn = len(mc.attention_layers)
     result: dict = {"machine": machine_info(), "engine": {k: v for k, v in kw.items()}, "params": params,
                     "weight_bytes": weight_bytes, "state_bytes_per_request": state,
-                    "kv_bytes_per_token": kv_per_token, "gpu": gpu.name, "decode": [], "prefill": {}}
+                    "kv_bytes_per_token": kv_per_token, "ceilings": ceilings, "decode": [], "prefill": {}}
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     vocab = mc.vocab_size
@@ -102,7 +104,7 @@ def run(a: argparse.Namespace) -> dict:
         llm.reset_prefix_cache()
         tn, _ = _timed(llm, prompts, a.decode_tokens)
         step = (tn - t1) / (a.decode_tokens - 1)
-        floor = (weight_bytes + batch * ((a.context + a.decode_tokens / 2) * kv_per_token + 2 * state)) / gpu.bandwidth
+        floor = (weight_bytes + batch * ((a.context + a.decode_tokens / 2) * kv_per_token + 2 * state)) / bandwidth
         row = {"batch": batch, "context": a.context, "step_s": step, "roofline_step_s": floor,
                "fraction_of_roofline": floor / step, "output_tok_s": batch / step}
         result["decode"].append(row)
@@ -112,13 +114,13 @@ def run(a: argparse.Namespace) -> dict:
     t, _ = _timed(llm, _prompts(1, a.prefill, vocab, 7), 1)
     n = a.prefill
     flops = 2 * params * n + 4 * attn * mc.num_heads * mc.head_dim * n * (n + 1) / 2
-    floor = max(flops / gpu.flops, weight_bytes / gpu.bandwidth)
+    floor = max(flops / peak, weight_bytes / bandwidth)
     result["prefill"] = {"tokens": n, "seconds": t, "roofline_s": floor, "fraction_of_roofline": floor / t}
     print("prefill", json.dumps(result["prefill"]), flush=True)
     llm.reset_prefix_cache()
     result["multi_turn"] = {"prefix_caching": multi_turn(llm, a, vocab)}
     del llm
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    torch.cuda.empty_cache()
     cold = LLM(**{**kw, "enable_prefix_caching": False})
     result["multi_turn"]["no_prefix_caching"] = multi_turn(cold, a, vocab)
     mt = result["multi_turn"]

@@ -20,8 +20,9 @@ from kvos.models import ops
 from kvos.models.config import MambaShape
 from kvos.models.state import StateCache, StateMetadata
 
-SCAN_CHUNK = 64
-"""Longest run of tokens the quadratic form handles at once (its cost grows with its square)."""
+SCAN_CHUNK = 256
+"""Longest run of tokens the quadratic form handles at once (its cost grows with its square; a
+GPU runs one sub-chunk's few kernels no faster when it is shorter)."""
 
 
 class GatedNormWeight(nn.Module):
@@ -75,15 +76,9 @@ class Mamba2Mixer(nn.Module):
 
     def _decode(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y) -> None:
         nd = meta.num_decodes
-        seqs = meta.seqs[:nd]
-        reads = torch.tensor([q.read_block for q in seqs], device=xbc.device)
-        writes = torch.tensor([q.saves[-1][1] for q in seqs], device=xbc.device)
-        fresh = reads < 0
-        conv = cache.conv[reads.clamp(min=0)]
-        ssm = cache.ssm[reads.clamp(min=0)]
-        if bool(fresh.any()):
-            conv[fresh] = 0
-            ssm[fresh] = 0
+        reads, keep, writes = meta.decode_index(xbc.device)
+        conv = cache.conv[reads] * keep  # a decode with no state yet (a one-token prompt) starts from zeros
+        ssm = cache.ssm[reads] * keep[..., None]
         window = torch.cat([conv, xbc.float().unsqueeze(-1)], dim=-1)  # [n, conv_dim, kernel]
         out = (window * self._conv_weight().float()).sum(-1)
         if self.conv1d.bias is not None:

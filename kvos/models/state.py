@@ -42,6 +42,17 @@ class StateMetadata:
 
     seqs: list[SeqStates]
     num_decodes: int
+    _decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def decode_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decodes' (blocks read, clamped at 0; whether each starts from zeros, as float
+        ``[n, 1, 1]``; blocks written), on ``device``: built once per step, shared by the layers."""
+        if self._decode_index is None:
+            dec = self.seqs[: self.num_decodes]
+            idx = torch.tensor([[max(q.read_block, 0) for q in dec], [q.read_block >= 0 for q in dec],
+                                [q.saves[-1][1] for q in dec]], dtype=torch.int64).to(device, non_blocking=True)
+            self._decode_index = (idx[0], idx[1].float().view(-1, 1, 1), idx[2])
+        return self._decode_index
 
 
 def state_metadata(block_size: int, starts: list[int], num_tokens: list[int], tables: list[list[int]],

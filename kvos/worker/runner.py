@@ -149,8 +149,14 @@ class ModelRunner:
         bs = 16
         nb = -(-max_num_batched_tokens // bs) + 1
         scratch = torch.zeros(c.num_layers, 2, nb, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=dev)
-        layers = [KVCache(scratch[i, 0], scratch[i, 1]) for i in range(c.num_layers)]
+        layers: list = [KVCache(scratch[i, 0], scratch[i, 1]) for i in range(c.num_layers)]
         n = max_num_batched_tokens
+        if c.mamba is not None:  # Mamba layers: one sequence's state, read from nothing, written to block 1
+            m = c.mamba
+            conv = torch.zeros(2, m.conv_dim, m.conv_width, device=dev)
+            ssm = torch.zeros(2, m.num_heads, m.head_dim, m.state_size, device=dev)
+            for i in c.mamba_layers:
+                layers[i] = StateCache(conv, ssm)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(bs, bs + n, device=dev),
             block_tables=torch.arange(1, nb, dtype=torch.int32, device=dev)[None, :],
@@ -158,7 +164,9 @@ class ModelRunner:
             num_decodes=0, block_size=bs, prefill_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
             max_prefill_len=n)
         ids = torch.randint(0, c.vocab_size, (n,), device=dev)
-        hidden = self.model(ids, torch.arange(n, device=dev), layers, [meta] * c.num_layers, self.backend)
+        state_meta = state_metadata(bs, [0], [n], [[0] * (nb - 2) + [1]], 0)
+        metas = [state_meta if c.mamba is not None and i in c.mamba_layers else meta for i in range(c.num_layers)]
+        hidden = self.model(ids, torch.arange(n, device=dev), layers, metas, self.backend)
         self.model.compute_logits(hidden[: min(n, 256)])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - scratch.numel() * scratch.element_size()
