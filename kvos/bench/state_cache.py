@@ -16,6 +16,7 @@ multi-turn workload's later-turn TTFT with the state restored from the prefix ca
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -119,7 +120,8 @@ def run(a: argparse.Namespace) -> dict:
     print("prefill", json.dumps(result["prefill"]), flush=True)
     llm.reset_prefix_cache()
     result["multi_turn"] = {"prefix_caching": multi_turn(llm, a, vocab)}
-    del llm
+    del llm, eng
+    gc.collect()
     torch.cuda.empty_cache()
     cold = LLM(**{**kw, "enable_prefix_caching": False})
     result["multi_turn"]["no_prefix_caching"] = multi_turn(cold, a, vocab)

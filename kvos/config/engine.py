@@ -47,7 +47,7 @@ class EngineConfig:
     model: str | None = field(default=None, metadata={
         "aliases": ("--config",),
         "help": "GGUF file or HF folder (default: SmolLM2-135M-Instruct); with --random-weights a bundled config "
-                "(llama-3.1-8b, qwen3-8b, llama-tiny, qwen3-tiny) or a config.json"})
+                "(llama-3.1-8b, qwen3-8b, bamba-9b, llama-tiny, qwen3-tiny) or a config.json"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_layout: str = field(default="unified", metadata={
         "choices": KV_LAYOUTS,
