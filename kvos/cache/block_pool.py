@@ -228,16 +228,24 @@ class BlockPool:
                 return block
         return None
 
+    OWN_PAGE_MAX_BLOCKS = 64
+    """A request starts a large page of its own only when a page holds at most this many of the
+    group's blocks; a larger page (one Mamba state page is worth over a thousand KV blocks of a
+    hybrid's few attention layers) is shared by several requests' blocks, or short requests
+    would each pin a page that other groups need."""
+
     def get_new_blocks(self, n: int, near: KVBlock | None = None) -> list[KVBlock]:
         """Take ``n`` blocks (evicting cached content if needed), each with ref 1, packed into
         the large page of ``near`` (the request's last block) while it has room, then into a
-        fresh large page while any is free, then wherever a small page is free (Jenga's
-        request-aware allocation). On failure (the pool is full of referenced blocks) nothing is
-        taken and ValueError is raised."""
+        fresh large page while any is free (pages of at most ``OWN_PAGE_MAX_BLOCKS`` blocks),
+        then wherever a small page is free (Jenga's request-aware allocation). On failure (the
+        pool is full of referenced blocks) nothing is taken and ValueError is raised."""
         out: list[KVBlock] = []
+        own_page = 1 < self.per_page <= self.OWN_PAGE_MAX_BLOCKS
         for _ in range(n):
             block = self._take_near(near)
-            if block is None and self.per_page > 1 and self._split_page():
+            if block is None and (own_page or (self.per_page > 1 and not len(self.plain_free))) \
+                    and self._split_page():
                 block = self._take_near(self.plain_free.peekleft())  # a page of its own while any is free
             block = block or self._take_block()
             near = block

@@ -48,13 +48,13 @@ class KVCacheManager:
 
     def __init__(self, layout: CacheLayout | KVCacheSpec, num_blocks: int, model_id: str = "",
                  enable_caching: bool = True, policy: EvictionPolicy | str | None = None,
-                 next_use=None) -> None:
+                 next_use=None, page_quota: dict[int, int] | None = None) -> None:
         if isinstance(layout, KVCacheSpec):
             layout = single_group_layout(layout)
         self.layout = layout
         self.model_id = model_id
         self.counters = CacheCounters()
-        self.pages = LargePagePool(num_blocks)
+        self.pages = LargePagePool(num_blocks, page_quota)  # page_quota: a fixed split (comparisons only)
         clock = LogicalClock()
         if isinstance(policy, EvictionPolicy) and len(layout.groups) > 1:
             raise ValueError("a policy instance serves one group; pass the policy's name for several groups")

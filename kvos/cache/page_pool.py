@@ -8,14 +8,19 @@ class LargePagePool:
     back only when none of its small pages holds a reference or cached content.
 
     Invariant: a page is either in the free list or owned by exactly one group.
+
+    ``quota`` (group -> most pages it may own) fixes a split between groups, for comparison with
+    the default elastic pool, where any group takes any free page.
     """
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, quota: dict[int, int] | None = None) -> None:
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one holds the null blocks), got {num_pages}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
         self.owner: list[int | None] = [None] * num_pages
+        self.quota = dict(quota or {})
+        self._owned: dict[int, int] = {}
 
     @property
     def num_usable(self) -> int:
@@ -26,13 +31,15 @@ class LargePagePool:
 
     def take(self, group: int) -> int | None:
         """A free page for ``group``, or None when none is free."""
-        if not self._free:
+        if not self._free or self._owned.get(group, 0) >= self.quota.get(group, self.num_pages):
             return None
         page = self._free.pop()
         self.owner[page] = group
+        self._owned[group] = self._owned.get(group, 0) + 1
         return page
 
     def give_back(self, page: int) -> None:
         assert self.owner[page] is not None and page != 0, f"page {page} is not owned"
+        self._owned[self.owner[page]] -= 1
         self.owner[page] = None
         self._free.append(page)

@@ -60,3 +60,18 @@ def test_simulator_runs_a_hybrid_with_its_state_group(tmp_path):
     report = json.loads(out.read_text())
     assert [g["kind"] for g in report["kv_groups"]] == ["full_attention", "mamba_state"]
     assert report["num_requests"] == 20 and report["preemptions"] == 0
+
+
+def test_elastic_pool_holds_what_the_best_fixed_split_holds(tmp_path):
+    """``kvos bench state-split`` on the Bamba-9B shape: one pool for KV and state pages holds as
+    many decoding requests as the fixed split tuned to each phase (long prompts, then short
+    ones), and far more than the split tuned to the other phase."""
+    import argparse
+
+    from kvos.bench.state_split import run
+
+    r = run(argparse.Namespace(model="bamba-9b", kv_gib=24.0, long_tokens=32768, short_tokens=512, block_size=16,
+                               output=str(tmp_path / "split.json")))["rows"]
+    elastic, for_long, for_short = r["elastic"], r["fixed for long"], r["fixed for short"]
+    assert elastic["long"] >= for_long["long"] > 0 and elastic["short"] >= for_short["short"] > 0
+    assert elastic["short"] >= 2 * for_long["short"] and elastic["long"] >= 4 * for_short["long"], r
