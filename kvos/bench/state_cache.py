@@ -73,8 +73,8 @@ def run(a: argparse.Namespace) -> dict:
 
     from kvos import LLM
     from kvos.bench.machine import machine_info
-    from kvos.config.flags import engine_kwargs
     from kvos.bench.roofline import measure_ceilings
+    from kvos.config.flags import engine_kwargs
 
     kw = engine_kwargs(a)
     llm = LLM(**kw)
