@@ -76,18 +76,22 @@ class Mamba2Mixer(nn.Module):
 
     def _decode(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y) -> None:
         nd = meta.num_decodes
-        reads, keep, writes = meta.decode_index(xbc.device)
-        conv = cache.conv[reads] * keep  # a decode with no state yet (a one-token prompt) starts from zeros
-        ssm = cache.ssm[reads] * keep[..., None]
-        window = torch.cat([conv, xbc.float().unsqueeze(-1)], dim=-1)  # [n, conv_dim, kernel]
+        reads, keep, writes, valid = meta.decode_index(xbc.device)
+        conv_in, ssm_in = cache.conv[reads], cache.ssm[reads]
+        window = torch.cat([conv_in * keep, xbc.float().unsqueeze(-1)], dim=-1)  # [n, conv_dim, kernel]
         out = (window * self._conv_weight().float()).sum(-1)
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias.float()
         xs, B, C = self._split(F.silu(out))
-        dA = torch.exp(dt * A)  # [n, H]
-        ssm = ssm * dA[:, :, None, None] + (dt[:, :, None] * xs)[..., None] * B[:, :, None, :]
+        dA = torch.exp(dt * A) * keep.view(-1, 1)  # [n, H]; a decode with no state yet starts from zeros
+        ssm = ssm_in * dA[:, :, None, None] + (dt[:, :, None] * xs)[..., None] * B[:, :, None, :]
         y.copy_((torch.einsum("nhpk,nhk->nhp", ssm, C) + self.D.float()[:, None] * xs).reshape(nd, -1))
-        cache.conv[writes] = window[:, :, 1:].to(cache.conv.dtype)
+        conv = window[:, :, 1:]
+        if valid is not None:  # padding rows (CUDA graphs) write block 0's own content back
+            conv = torch.where(valid[:, None, None], conv, conv_in)
+            ssm = torch.where(valid[:, None, None, None], ssm, ssm_in)
+            writes = torch.where(valid, writes, 0)
+        cache.conv[writes] = conv.to(cache.conv.dtype)
         cache.ssm[writes] = ssm.to(cache.ssm.dtype)
 
     def _prefill(self, xbc, dt, A, cache: StateCache, seq, y) -> None:

@@ -42,17 +42,37 @@ class StateMetadata:
 
     seqs: list[SeqStates]
     num_decodes: int
-    _decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
-    def decode_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decodes' (blocks read, clamped at 0; whether each starts from zeros, as float
-        ``[n, 1, 1]``; blocks written), on ``device``: built once per step, shared by the layers."""
+    def decode_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor | None]:
+        """The decodes' (blocks read, clamped at 0; 1.0 where a state was read, 0.0 where the
+        decode starts from zeros, ``[n, 1, 1]``; blocks written; None, or a bool ``[n]`` that is
+        False for padding rows, which write nothing), on ``device``: built once per step,
+        shared by the layers."""
         if self._decode_index is None:
             dec = self.seqs[: self.num_decodes]
             idx = torch.tensor([[max(q.read_block, 0) for q in dec], [q.read_block >= 0 for q in dec],
                                 [q.saves[-1][1] for q in dec]], dtype=torch.int64).to(device, non_blocking=True)
-            self._decode_index = (idx[0], idx[1].float().view(-1, 1, 1), idx[2])
+            self._decode_index = (idx[0], idx[1].float().view(-1, 1, 1), idx[2], None)
         return self._decode_index
+
+
+def graph_state_metadata(tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
+                         block_size: int) -> StateMetadata:
+    """A decode batch's state reads and writes computed on the device from its state-group block
+    tables ``[n, width]``, lengths after the step (``seq_lens``) and slots (-1: a padding row):
+    torch operations only, so that a CUDA graph captures them. The same rule as
+    ``state_metadata`` for one-token steps."""
+    start = seq_lens.long() - 1
+    valid = slots >= 0
+    reads = tables.gather(1, ((start - 1).clamp(min=0) // block_size)[:, None]).squeeze(1).long()
+    reads = torch.where(valid, reads, 0)  # a padding row reads block 0 and writes it back unchanged
+    writes = tables.gather(1, (start // block_size)[:, None]).squeeze(1).long()
+    keep = ((start > 0) & valid).float().view(-1, 1, 1)
+    meta = StateMetadata([], tables.shape[0])
+    meta._decode_index = (reads, keep, writes, valid)
+    return meta
 
 
 def state_metadata(block_size: int, starts: list[int], num_tokens: list[int], tables: list[list[int]],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
+from kvos.models.state import graph_state_metadata
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -26,10 +27,12 @@ class DecodeGraphs:
     addresses); the hidden states returned by ``run`` are overwritten by the next replay.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_layers: list[KVCache], layer_group: list[int],
+    def __init__(self, model: torch.nn.Module, kv_layers: list, layer_group: list[int],
                  num_groups: int, backend: AttentionBackend, block_size: int, max_batch: int,
-                 max_blocks: int) -> None:
-        dev = kv_layers[0].k.device
+                 max_blocks: int, state_groups: frozenset[int] = frozenset()) -> None:
+        """``state_groups``: the cache groups of Mamba state, whose reads and writes the graph
+        derives from their tables (``graph_state_metadata``)."""
+        dev = kv_layers[layer_group.index(min(set(range(num_groups)) - state_groups))].k.device
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.sizes = batch_ladder(max_batch)
@@ -47,9 +50,12 @@ class DecodeGraphs:
             metas = [AttentionMetadata(slot_mapping=self.slots[g, :size], block_tables=self.tables[g, :size],
                                        seq_lens=self.seq_lens[:size], query_lens_list=[], seq_lens_list=[],
                                        num_decodes=size, block_size=block_size) for g in range(num_groups)]
-            layer_metas = [metas[g] for g in layer_group]
 
-            def step(size=size, layer_metas=layer_metas):
+            def step(size=size, metas=metas):
+                for g in state_groups:  # inside the graph: recomputed from the static buffers at each replay
+                    metas[g] = graph_state_metadata(self.tables[g, :size], self.seq_lens[:size],
+                                                    self.slots[g, :size], block_size)
+                layer_metas = [metas[g] for g in layer_group]
                 return model(self.input_ids[:size], self.positions[:size], kv_layers, layer_metas, backend)
 
             stream = torch.cuda.Stream(device=dev)

@@ -184,8 +184,9 @@ class ModelRunner:
         assert self.kv_buffer is not None, "allocate_kv_cache first"
         max_blocks = -(-min(max_model_len, max_context) // self.block_size)
         with torch.inference_mode():
+            state = frozenset(g for g, is_state in enumerate(self._is_state) if is_state)
             self.graphs = DecodeGraphs(self.model, self.kv_layers, self.layer_group, len(self.group_caches),
-                                       self.backend, self.block_size, min(max_num_seqs, 256), max_blocks)
+                                       self.backend, self.block_size, min(max_num_seqs, 256), max_blocks, state)
             if self.draft is not None:
                 self.draft.capture_graphs(len(self.group_caches), self.backend, self.block_size,
                                           min(max_num_seqs, 256), max_blocks)
@@ -261,11 +262,6 @@ class ModelRunner:
         ssm = words.as_strided((num_blocks, s.num_heads, s.head_dim, s.state_size),
                                (page, s.head_dim * s.state_size, s.state_size, 1), base + s.conv_floats)
         return StateCache(conv, ssm)
-
-    @property
-    def has_state(self) -> bool:
-        """True when some cache group holds Mamba state (no decode CUDA graphs then)."""
-        return self.layout is not None and any(isinstance(g.spec, MambaStateSpec) for g in self.layout.groups)
 
     READ_CHUNK_BYTES = 256 << 20
     """Most device memory ``read_blocks`` gathers into at once (before each device-to-host copy)."""

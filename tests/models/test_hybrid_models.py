@@ -148,3 +148,40 @@ def test_state_pages_come_back_from_the_cpu_tier_and_stay_per_tenant(arch_case):
     other = llm.generate([{"prompt_token_ids": prompts[4]}], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                          ignore_eos=True), use_tqdm=False, cache_salt="tenant-b")[0]
     assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == reference[4][0]
+
+
+def test_graph_state_metadata_matches_the_step_description_and_pads_safely():
+    """The decode reads and writes a CUDA graph derives on the device from its static buffers
+    (``graph_state_metadata``) give the mixer the same outputs and states as the host-built
+    ``state_metadata``; padding rows (slot -1, stale tables) leave every block as it was."""
+    from kvos.models.config import MambaShape
+    from kvos.models.mamba import Mamba2Mixer
+    from kvos.models.state import StateCache, graph_state_metadata, state_metadata
+
+    torch.manual_seed(0)
+    s = MambaShape(num_heads=4, head_dim=8, state_size=8, groups=2, conv_kernel=4)
+    mixer = Mamba2Mixer(32, s)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.3)
+
+    def fresh():
+        g = torch.Generator().manual_seed(3)
+        return StateCache(torch.randn(8, s.conv_dim, s.conv_width, generator=g),
+                          torch.randn(8, s.num_heads, s.head_dim, s.state_size, generator=g))
+
+    bs, x = 4, torch.randn(3, 32)
+    tables = [[0, 2, 5], [3, 0, 0], [7, 6, 0]]  # a decode at 9 (reads block 2 -> 5), one at 1, one crossing to 6
+    starts = [8, 0, 4]
+    eager, graph = fresh(), fresh()
+    with torch.no_grad():
+        ref = mixer(x, eager, state_metadata(bs, starts, [1, 1, 1], tables, 3))
+        padded = torch.tensor(tables + [[5, 6, 7]], dtype=torch.int32)  # a stale padding row
+        seq_lens = torch.tensor(starts + [9]) + 1
+        slots = torch.tensor([0, 0, 0, -1])
+        before = fresh()
+        out = mixer(torch.cat([x, torch.randn(1, 32)]), graph, graph_state_metadata(padded, seq_lens, slots, bs))
+    assert torch.allclose(out[:3], ref, atol=1e-6)
+    assert torch.allclose(graph.conv, eager.conv, atol=1e-6) and torch.allclose(graph.ssm, eager.ssm, atol=1e-6)
+    untouched = [0, 1, 2, 4]  # the padding row's stale blocks 5, 6, 7 are real rows' or unwritten
+    assert torch.equal(graph.ssm[untouched], before.ssm[untouched])
