@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
+from kvos.models.attention import AttentionBackend, AttentionMetadata
 from kvos.models.state import graph_state_metadata
 
 
