@@ -20,10 +20,11 @@ def test_graph_decode_matches_transformers(arch, tmp_path):
     from tests.models.test_hybrid_models import check, hf_generate, run
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     path = write_checkpoint(arch, tmp_path / arch)
     gen = torch.Generator().manual_seed(2)
     shared = torch.randint(3, VOCAB, (41,), generator=gen).tolist()
-    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (1, 29, 70)] + [shared + [4], shared]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 29, 70)] + [shared + [4], shared]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     reference = [hf_generate(hf, p) for p in prompts]
     outs = {}
