@@ -208,7 +208,8 @@ class LLMEngine:
                           else None)
         self.runner.allocate_kv_cache(self.layout, num_blocks)
         t_alloc = time.perf_counter()
-        if self.runner.device.type == "cuda" and not config.enforce_eager and mc.attention_layers:
+        # no decode graphs without attention layers (pure Mamba2) nor with experts (their routing syncs the host)
+        if self.runner.device.type == "cuda" and not config.enforce_eager and mc.attention_layers and not mc.num_experts:
             rows = config.max_num_seqs  # a verify step is a decode batch of k + 1 rows per sequence
             spec = config.speculative_config
             if spec is not None:
