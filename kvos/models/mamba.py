@@ -77,22 +77,29 @@ class Mamba2Mixer(nn.Module):
     def _decode(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y) -> None:
         nd = meta.num_decodes
         reads, keep, writes, valid = meta.decode_index(xbc.device)
-        conv_in, ssm_in = cache.conv[reads], cache.ssm[reads]
+        conv_in = cache.conv[reads]
         window = torch.cat([conv_in * keep, xbc.float().unsqueeze(-1)], dim=-1)  # [n, conv_dim, kernel]
         out = (window * self._conv_weight().float()).sum(-1)
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias.float()
         xs, B, C = self._split(F.silu(out))
-        dA = torch.exp(dt * A) * keep.view(-1, 1)  # [n, H]; a decode with no state yet starts from zeros
-        ssm = ssm_in * dA[:, :, None, None] + (dt[:, :, None] * xs)[..., None] * B[:, :, None, :]
-        y.copy_((torch.einsum("nhpk,nhk->nhp", ssm, C) + self.D.float()[:, None] * xs).reshape(nd, -1))
         conv = window[:, :, 1:]
         if valid is not None:  # padding rows (CUDA graphs) write block 0's own content back
             conv = torch.where(valid[:, None, None], conv, conv_in)
-            ssm = torch.where(valid[:, None, None, None], ssm, ssm_in)
-            writes = torch.where(valid, writes, 0)
-        cache.conv[writes] = conv.to(cache.conv.dtype)
-        cache.ssm[writes] = ssm.to(cache.ssm.dtype)
+        if ops.use_kernels(xbc):
+            from kvos.kernels.mamba_update import ssm_decode
+
+            y.copy_(ssm_decode(cache.ssm, reads, torch.where(valid, writes, 0) if valid is not None else writes,
+                               keep, valid, xs, dt, A, B, C, self.D.float()).reshape(nd, -1))
+        else:
+            ssm_in = cache.ssm[reads]
+            dA = torch.exp(dt * A) * keep.view(-1, 1)  # [n, H]; a decode with no state yet starts from zeros
+            ssm = ssm_in * dA[:, :, None, None] + (dt[:, :, None] * xs)[..., None] * B[:, :, None, :]
+            y.copy_((torch.einsum("nhpk,nhk->nhp", ssm, C) + self.D.float()[:, None] * xs).reshape(nd, -1))
+            if valid is not None:
+                ssm = torch.where(valid[:, None, None, None], ssm, ssm_in)
+            cache.ssm[torch.where(valid, writes, 0) if valid is not None else writes] = ssm.to(cache.ssm.dtype)
+        cache.conv[torch.where(valid, writes, 0) if valid is not None else writes] = conv.to(cache.conv.dtype)
 
     def _prefill(self, xbc, dt, A, cache: StateCache, seq, y) -> None:
         s = self.s
