@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.triton_interpreter import CUDA, skip_unless_interpreted  # first: before triton loads
+from tests.support.triton_interpreter import (  # first: before triton loads
+    CUDA,
+    skip_unless_interpreted,
+)
 
 pytest.importorskip("triton")
 
