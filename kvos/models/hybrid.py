@@ -9,6 +9,7 @@ each head, or none: Granite 4.0-H); Mamba layers read and write paged recurrent 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -121,8 +122,6 @@ class HybridLayer(nn.Module):
 
 
 def _with_intermediate(cfg: ModelConfig, width: int) -> ModelConfig:
-    from dataclasses import replace
-
     return replace(cfg, intermediate_size=width)
 
 
