@@ -96,7 +96,7 @@ class StateKVMachine(HybridKVMachine):
 
 
 TestStateKVMachine = StateKVMachine.TestCase
-TestStateKVMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+TestStateKVMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
 
 

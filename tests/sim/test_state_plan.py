@@ -70,7 +70,7 @@ def test_elastic_pool_holds_what_the_best_fixed_split_holds(tmp_path):
 
     from kvos.bench.state_split import run
 
-    r = run(argparse.Namespace(model="bamba-9b", kv_gib=24.0, long_tokens=32768, short_tokens=512, block_size=16,
+    r = run(argparse.Namespace(model="bamba-9b", kv_gib=12.0, long_tokens=32768, short_tokens=512, block_size=16,
                                output=str(tmp_path / "split.json")))["rows"]
     elastic, for_long, for_short = r["elastic"], r["fixed for long"], r["fixed for short"]
     assert elastic["long"] >= for_long["long"] > 0 and elastic["short"] >= for_short["short"] > 0
