@@ -19,7 +19,7 @@ class MambaStateManager(SlidingWindowManager):
       after ``fork``), and the state at each block boundary it crosses into the boundary's block
       when that position has a page.
     - Positions that get a page when allocated: the last of the step, every block ending a
-      multiple of ``cache_every`` blocks (a prefill's checkpoints), and for a sequence being
+      multiple of ``cache_every`` blocks (a prefill's checkpoints, with prefix caching on), and for a sequence being
       swapped back in the block of its last swapped token (where its saved state goes); the rest
       are null.
     - A block behind the current one holds the state at its own boundary, exactly (the step that
@@ -41,7 +41,8 @@ class MambaStateManager(SlidingWindowManager):
         return self.spec.cache_every  # type: ignore[attr-defined]
 
     def _has_page(self, position: int, last: int, restore: int = -1) -> bool:
-        return position == last or position == restore or (position + 1) % self.cache_every == 0
+        checkpoint = self.pool.enable_caching and (position + 1) % self.cache_every == 0
+        return position == last or position == restore or checkpoint
 
     def _restore_block(self, seq: CacheableSequence) -> int:
         swapped = getattr(seq, "swapped_tokens", 0)

@@ -81,16 +81,18 @@ def group_blocks(spec: CacheSpec, tokens: int) -> int:
     return blocks if window is None else min(blocks, window_blocks(window, spec.block_size))
 
 
-def model_layout(shape: ModelShape, kv_dtype: str, block_size: int, mode: str, tp: int = 1) -> CacheLayout:
+def model_layout(shape: ModelShape, kv_dtype: str, block_size: int, mode: str, tp: int = 1,
+                 cache_every: int | None = None) -> CacheLayout:
     """The cache layout the engine would build for ``shape`` on one GPU of a TP group (a Mamba
-    model's state group with the engine's default ``mamba_cache_every``)."""
+    model's state group with ``cache_every``, default the engine's ``mamba_cache_every``)."""
     state = None
     if shape.mamba is not None:
         m = shape.mamba
         state = MambaStateSpec(block_size, len(shape.mamba_layers), m.conv_dim, m.conv_width, m.num_heads,
                                m.head_dim, m.state_size)
         kv_block = kv_per_layer_token(shape, "fp16", tp) * shape.attention_layers * block_size
-        state = MambaStateSpec(**{**state.__dict__, "cache_every": default_cache_every(state.page_bytes, kv_block)})
+        every = cache_every or default_cache_every(state.page_bytes, kv_block)
+        state = MambaStateSpec(**{**state.__dict__, "cache_every": every})
     return build_layout(shape.layer_windows(), block_size, kv_heads_per_gpu(shape, tp), shape.head_dim,
                         KV_DTYPES.get(kv_dtype, kv_dtype), mode, state, shape.mamba_layers)
 

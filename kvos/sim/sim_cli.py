@@ -18,7 +18,7 @@ from kvos.sim.tier import SimTierConfig
 
 SIM_ENGINE_FIELDS = ("block_size", "kv_layout", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                      "max_model_len", "scheduling_policy", "fairness_steps", "preemption_order", "eviction_policy",
-                     "eviction_lookahead", "segment_reuse", "segment_recompute")
+                     "eviction_lookahead", "segment_reuse", "segment_recompute", "mamba_cache_every")
 """The ``EngineConfig`` fields that shape a simulated engine (flags, defaults and checks are
 ``EngineConfig``'s; the pool's size comes from --cache-blocks/--cache-tokens/--cache-gb)."""
 SIM_TIER_FIELDS = ("write_policy", "tier_lookahead")
@@ -170,7 +170,8 @@ def build(a: argparse.Namespace):
     cost = CostModel.for_model(shape, resolve_gpu(a.gpu), a.weight_dtype, a.kv_dtype, a.tensor_parallel)
     if a.calibration:
         cost.calibrate(a.calibration)
-    layout = model_layout(shape, a.kv_dtype, bs, engine.kv_layout) if shape.is_hybrid else None
+    layout = (model_layout(shape, a.kv_dtype, bs, engine.kv_layout, cache_every=engine.mamba_cache_every)
+              if shape.is_hybrid else None)
     if a.draft_model:
         layout = draft_layout(shape, resolve_shape(a.draft_model), a.kv_dtype, bs, engine.kv_layout)
     if a.cache_gb is not None:
