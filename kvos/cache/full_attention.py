@@ -93,6 +93,14 @@ class FullAttentionManager:
         """Append the (already referenced) hit blocks, then copy-on-write the partial block if
         shared, then append the ``fresh`` blocks (as many as ``num_new_blocks(seq, num_tokens,
         new_computed)`` said)."""
+        table, fresh = self._install_hit(seq, new_computed, fresh)
+        table.extend(fresh)
+
+    def _install_hit(self, seq: CacheableSequence, new_computed: list[KVBlock],
+                     fresh: list[KVBlock]) -> tuple[list[KVBlock], list[KVBlock]]:
+        """``install``'s first two steps: append the hit blocks, then replace the block the next
+        write goes to by a copy (one of ``fresh``) when it is shared. Returns (the table, the
+        fresh blocks left)."""
         table = self.tables.setdefault(seq.request_id, [])
         table.extend(new_computed)
         fresh = list(fresh)
@@ -103,7 +111,7 @@ class FullAttentionManager:
             table[i] = dst
             self.pending_copies.append((src.block_id, dst.block_id))
             self.pool.counters.cow_copies += 1
-        table.extend(fresh)
+        return table, fresh
 
     def cache_blocks(self, seq: CacheableSequence, hashes: list[BlockHash], root: BlockHash,
                      num_tokens: int | None = None) -> None:

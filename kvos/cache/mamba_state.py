@@ -57,16 +57,7 @@ class MambaStateManager(SlidingWindowManager):
 
     def install(self, seq: CacheableSequence, new_computed: list[KVBlock], fresh: list[KVBlock],
                 num_tokens: int) -> None:
-        table = self.tables.setdefault(seq.request_id, [])
-        table.extend(new_computed)
-        fresh = list(fresh)
-        if self._needs_copy(seq, table):
-            i = seq.num_computed_tokens // self.block_size
-            src, dst = table[i], fresh.pop()
-            self.pool.free_blocks([src])
-            table[i] = dst
-            self.pending_copies.append((src.block_id, dst.block_id))
-            self.pool.counters.cow_copies += 1
+        table, fresh = self._install_hit(seq, new_computed, fresh)
         last, restore = cdiv(num_tokens, self.block_size) - 1, self._restore_block(seq)
         fresh.reverse()
         for i in range(len(table), last + 1):
