@@ -1,7 +1,7 @@
 """State tables of one Mamba layer group: a recurrent state per request, kept at block boundaries."""
 from __future__ import annotations
 
-from kvos.cache.block import BlockHash, KVBlock, block_kind
+from kvos.cache.block import KVBlock
 from kvos.cache.full_attention import cdiv
 from kvos.cache.sequence import CacheableSequence
 from kvos.cache.sliding_window import SlidingWindowManager
@@ -24,7 +24,8 @@ class MambaStateManager(SlidingWindowManager):
       are null.
     - A block behind the current one holds the state at its own boundary, exactly (the step that
       crossed it wrote it): it is registered under the chain hash of its blocks and released, as a
-      sliding window of one token would (``SlidingWindowManager`` with ``window`` 2).
+      sliding window of one token would (``SlidingWindowManager`` with ``window`` 2). Registration
+      is full attention's ``cache_blocks``: the pool skips null positions.
     - A prefix hit of ``L`` blocks needs only block ``L - 1`` (the state after the prefix): the
       table starts ``L - 1`` null blocks, then that block, which the request only reads (its next
       token starts block ``L``).
@@ -63,26 +64,6 @@ class MambaStateManager(SlidingWindowManager):
         for i in range(len(table), last + 1):
             table.append(fresh.pop() if self._has_page(i, last, restore) else self.pool.null_block)
         assert not fresh, "install: fresh blocks left over"
-
-    def cache_blocks(self, seq: CacheableSequence, hashes: list[BlockHash], root: BlockHash,
-                     num_tokens: int | None = None) -> None:
-        """Register the state blocks among ``seq``'s first ``num_tokens`` (default computed)
-        tokens that hold their boundary's state: every non-null block ``i`` with ``(i + 1) *
-        block_size <= num_tokens``. Same safety rule as for KV (only once the step writing it was
-        launched)."""
-        if not self.pool.enable_caching:
-            return
-        table = self.tables.get(seq.request_id, [])
-        upto = seq.num_computed_tokens if num_tokens is None else min(num_tokens, seq.num_computed_tokens)
-        num_full = min(upto // self.block_size, len(hashes), len(table))
-        start = self._num_cached.get(seq.request_id, 0)
-        for i in range(start, num_full):
-            block = table[i]
-            if not block.is_null and block.block_hash is None:
-                self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else root, i, seq.priority,
-                                           kind=block_kind(i, self.block_size, getattr(seq, "num_prompt_tokens", None)))
-        if num_full > start:
-            self._num_cached[seq.request_id] = num_full
 
     def peak_blocks(self, num_tokens: int, chunk: int) -> int:
         """State pages one request of ``num_tokens`` holds at most, prefilled in chunks of

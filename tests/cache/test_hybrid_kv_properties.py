@@ -84,12 +84,16 @@ class HybridKVMachine(RuleBasedStateMachine):
     def _window(self, group: int) -> int | None:
         return getattr(self.layout.groups[group].spec, "window", None)
 
-    def _compute(self, seq: Seq, start: int, end: int) -> None:
+    def _apply_copies(self) -> None:
+        """The copy-on-write copies the manager asks for, on the shadow."""
         for g, src, dst in self.kv.take_copies():
             for off in range(self.bs):
                 value = self._read(g, src, off)
                 if value is not None:
                     self._write(g, dst, off, value)
+
+    def _compute(self, seq: Seq, start: int, end: int) -> None:
+        self._apply_copies()
         for g, table in enumerate(self.kv.block_tables(seq.request_id)):
             for pos in range(start, end):
                 block = table[pos // self.bs]

@@ -40,11 +40,7 @@ class StateKVMachine(HybridKVMachine):
         assert isinstance(self.kv.managers[self.state_group], MambaStateManager)
 
     def _compute(self, seq: Seq, start: int, end: int) -> None:
-        for g, src, dst in self.kv.take_copies():
-            for off in range(self.bs):
-                value = self._read(g, src, off)
-                if value is not None:
-                    self._write(g, dst, off, value)
+        self._apply_copies()
         tables = self.kv.block_tables(seq.request_id)
         for g, table in enumerate(tables):
             if g == self.state_group:

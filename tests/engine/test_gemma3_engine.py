@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvos import LLM, SamplingParams
-from tests.support.hf_reference import hf_greedy
+from tests.support.hf_reference import greedy_with_logits, hf_greedy
 from tests.support.prompts import LONG_DOC
 
 pytestmark = pytest.mark.slow
@@ -47,16 +47,7 @@ def reference(base, prompt_ids):
 
 
 def run(llm: LLM, prompt_ids, n: int = 1):
-    logits: dict[str, list[torch.Tensor]] = {}
-    llm.engine.runner.logits_hook = lambda ids, rows: [logits.setdefault(i, []).append(r.clone())
-                                                       for i, r in zip(ids, rows)]
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=n),
-                            use_tqdm=False)
-    finally:
-        llm.engine.runner.logits_hook = None
-    return outs, logits
+    return greedy_with_logits(llm, prompt_ids, NEW_TOKENS, n)
 
 
 def test_greedy_tokens_and_logits_match_transformers(base, prompt_ids, reference):

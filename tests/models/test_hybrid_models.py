@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvos import LLM, SamplingParams
+from tests.support.hf_reference import greedy_with_logits
 from tests.support.hybrid_checkpoints import ARCHS, VOCAB, write_checkpoint
 
 NEW_TOKENS = 10
@@ -41,16 +42,7 @@ def hf_generate(hf, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
 
 
 def run(llm: LLM, prompts, n: int = 1):
-    logits: dict[str, list[torch.Tensor]] = {}
-    llm.engine.runner.logits_hook = lambda ids, rows: [logits.setdefault(i, []).append(r.clone())
-                                                       for i, r in zip(ids, rows)]
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=n),
-                            use_tqdm=False)
-    finally:
-        llm.engine.runner.logits_hook = None
-    return outs, logits
+    return greedy_with_logits(llm, prompts, NEW_TOKENS, n)
 
 
 def check(outs, logits, reference) -> None:

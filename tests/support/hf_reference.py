@@ -20,3 +20,20 @@ def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.
         logits.append(row)
         cur = torch.tensor([[tokens[-1]]], device=dev)
     return tokens, logits
+
+
+def greedy_with_logits(llm, prompt_ids: list[list[int]], max_tokens: int, n: int = 1):
+    """``llm``'s greedy outputs (``ignore_eos``) for token-id prompts and, per request id, the
+    float32 logits row of each sampling step (the runner's ``logits_hook``, removed after)."""
+    from kvos import SamplingParams
+
+    logits: dict[str, list[torch.Tensor]] = {}
+    llm.engine.runner.logits_hook = lambda ids, rows: [logits.setdefault(i, []).append(r.clone())
+                                                       for i, r in zip(ids, rows)]
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n),
+                            use_tqdm=False)
+    finally:
+        llm.engine.runner.logits_hook = None
+    return outs, logits
