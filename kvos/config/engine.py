@@ -142,6 +142,9 @@ class EngineConfig:
         "help": "recompute: a preempted request's KV is dropped and recomputed; swap: it waits in host memory"})
     swap_space_gb: float = field(default=4.0, metadata={
         "group": TIERS, "help": "host memory for swapped-out KV (--preemption-mode swap)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "shard each layer over this many devices (GPUs cuda:0.., NCCL; on the CPU, processes with gloo): "
+                "attention heads, MLP columns and the vocabulary split, KV heads too"})
     random_weights: bool = field(default=False, metadata={
         "help": "draw weights at random from the model's config (benchmarks without real weights)"})
     tokenizer: str | None = field(default=None, metadata={
@@ -207,6 +210,7 @@ class EngineConfig:
         if self.segment_reuse and not self.enable_prefix_caching:
             raise ValueError("segment_reuse needs prefix caching (segments are cached in the prefix cache)")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_tensor_parallel()
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
         if self.override_generation_config is not None:
@@ -215,6 +219,24 @@ class EngineConfig:
             from kvos.cache.tiers.codec import load_key_file
 
             load_key_file(self.tier_encryption_key_file)  # raises ValueError naming tier_encryption_key_file
+
+    def _check_tensor_parallel(self) -> None:
+        """ValueError naming the setting that cannot run with ``tensor_parallel_size`` > 1: whatever
+        moves whole blocks' bytes (tiers, swap, KV transfer), which the ranks hold in parts, and
+        speculative decoding."""
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp == 1:
+            return
+        busy = [name for name, on in (
+            ("cpu_cache_gb", self.cpu_cache_gb), ("disk_cache_dir", self.disk_cache_dir),
+            ("remote_cache", self.remote_cache), ("kv_transfer_gb", self.kv_transfer_gb),
+            ("preemption_mode", self.preemption_mode == "swap"),
+            ("speculative_config", self.speculative_config is not None)) if on]
+        if busy:
+            raise ValueError(f"{busy[0]}: not supported with tensor_parallel_size {tp} yet (each rank holds part of "
+                             f"a block's bytes; tiers, swap, KV transfer and speculative decoding run with one rank)")
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's settings: this config's fields of the same names."""

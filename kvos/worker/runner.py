@@ -17,6 +17,7 @@ from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvos.models.loader import load_model
 from kvos.models.ops import triton_enabled
 from kvos.models.state import StateCache, state_metadata
+from kvos.models.tensor_parallel import TPGroup, shard_plan
 from kvos.worker.block_digest import page_digests
 from kvos.worker.cuda_graphs import DecodeGraphs
 from kvos.worker.draft_model import DraftModel
@@ -102,10 +103,18 @@ class ModelRunner:
 
     def __init__(self, model_path: Path, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend | None = None, random_weights: bool = False,
-                 block_weights: bool = True) -> None:
+                 block_weights: bool = True, tp: TPGroup | None = None) -> None:
         self.device = device
         self.dtype = dtype
-        self.cfg, self.model = load_model(model_path, dtype, device, random_weights, block_weights)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        """This runner's rank of a tensor-parallel engine (None: the whole model). Safety rule:
+        every rank is given the same calls with the same steps (``kvos.worker.parallel_runner``),
+        since each forward pass and sampling step runs collectives."""
+        self.cfg, self.model = load_model(model_path, dtype, device, random_weights,
+                                          block_weights and self.tp is None, self.tp)
+        self.kv_heads = (shard_plan(self.cfg, self.tp.rank, self.tp.size).kv_heads if self.tp is not None
+                         else self.cfg.num_kv_heads)
+        """K/V heads this rank's pool holds per layer (``cfg.num_kv_heads`` without tensor parallelism)."""
         self.backend = backend or default_backend(device)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
@@ -148,7 +157,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(dev)
         bs = 16
         nb = -(-max_num_batched_tokens // bs) + 1
-        scratch = torch.zeros(c.num_layers, 2, nb, bs, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=dev)
+        scratch = torch.zeros(c.num_layers, 2, nb, bs, self.kv_heads, c.head_dim, dtype=self.dtype, device=dev)
         layers: list = [KVCache(scratch[i, 0], scratch[i, 1]) for i in range(c.num_layers)]
         n = max_num_batched_tokens
         if c.mamba is not None:  # Mamba layers: one sequence's state, read from nothing, written to block 1
@@ -175,6 +184,45 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(dev)
         others = total - free - torch.cuda.memory_reserved(dev)
         return max(0, int(total * gpu_memory_utilization - others - peak))
+
+    @torch.inference_mode()
+    def time_all_reduce(self, rows: int, reps: int = 20) -> float:
+        """Tensor parallelism: seconds of one all-reduce of ``[rows, hidden]`` in the model's dtype
+        (what each ``o_proj`` and ``down_proj`` sums), as the decode graphs run it: on a GPU a
+        CUDA graph of 32 back to back, the median of ``reps`` replays over 32 (on the CPU the
+        median of host-timed calls). Every rank must call it."""
+        assert self.tp is not None, "one rank: nothing to reduce"
+        import statistics
+        import time
+
+        x = torch.ones(rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        if self.device.type != "cuda":
+            times = []
+            for _ in range(reps + 3):
+                t = time.perf_counter()
+                self.tp.all_reduce(x)
+                times.append(time.perf_counter() - t)
+            return statistics.median(times[3:])
+        n = 32
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self.tp.all_reduce(x)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                self.tp.all_reduce(x)
+        times = []
+        for _ in range(reps + 3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / n)
+        return statistics.median(times[3:])
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_context: int = 8192) -> None:
         """CUDA graphs for decode steps of up to ``max_num_seqs`` sequences of up to
@@ -517,11 +565,24 @@ class ModelRunner:
         verify = launch_verify(logits, drafts) if drafts else None
         if not sample_rows:
             return LaunchedStep([], None, pending_plp, verify, draft_s)
+        if self.tp is not None and self.tp.rank > 0:  # rank 0 samples (deferred or not) and sends its tokens
+            self._last_tokens = self.tp.broadcast(torch.empty(len(targets), dtype=torch.int64, device=self.device))
+            self._last_targets = targets
+            return LaunchedStep([], None)
         if defer_sampling:
             return LaunchedStep(targets, None, pending_plp, verify, draft_s, (logits, sample_rows))
         pending = self.sampler.launch(logits, sample_rows, self._last_tokens)
+        self._share_samples(pending)
         self._last_tokens, self._last_targets = pending.tokens, targets
         return LaunchedStep(targets, pending, pending_plp, verify, draft_s)
+
+    def _share_samples(self, pending: PendingSamples) -> None:
+        """Tensor parallelism: send rank 0's sampled tokens to the other ranks, whose next step
+        may read them on the device (async scheduling). One sampler decides every token, so the
+        ranks' inputs never diverge whatever the sampler's randomness."""
+        if self.tp is not None:
+            assert pending.tokens.dtype == torch.int64
+            self.tp.broadcast(pending.tokens)
 
     @torch.inference_mode()
     def sample_deferred(self, step: LaunchedStep, masked_ids: list[str], words: np.ndarray) -> None:
@@ -535,6 +596,7 @@ class ModelRunner:
         where = {rid: i for i, rid in enumerate(step.targets)}
         step.samples = self.sampler.launch(logits, rows, self._last_tokens,
                                            ([where[r] for r in masked_ids], words))
+        self._share_samples(step.samples)
         self._last_tokens, self._last_targets = step.samples.tokens, step.targets
 
     def _launch_prompt_logprobs(self, hidden: torch.Tensor, entries: list[PromptLogprobRows],
