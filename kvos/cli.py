@@ -184,7 +184,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         engine = DataParallelEngine(kwargs, (a.decode_engines or 1) if a.prefill_engines else a.data_parallel,
                                     router.router, a.ray_address, router.kv_weight,
                                     prefill_engines=a.prefill_engines or 0, transport=transport,
-                                    router_balance=router.router_balance)
+                                    router_balance=router.router_balance, engine_timeout_s=a.engine_timeout_s,
+                                    max_restarts=a.engine_max_restarts)
         model_path = (resolve_config_path if kwargs.get("random_weights") else resolve_model_path)(kwargs["model"])
     else:
         local = LLMEngine(EngineConfig(**engine_kwargs(a)))
@@ -195,7 +196,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     app = create_app(engine, name, api_keys=a.api_key, max_waiting=a.max_waiting_requests,
                      warmup=not a.no_warmup, allowed_origins=a.allowed_origins,
-                     max_request_bytes=a.max_request_bytes, shutdown_timeout_s=a.shutdown_timeout_s)
+                     max_request_bytes=a.max_request_bytes, shutdown_timeout_s=a.shutdown_timeout_s,
+                     admin_key=a.admin_key or os.environ.get("KVOS_ADMIN_KEY"))
     print(usage_banner(a.host, a.port, name, (a.api_key or [None])[0], has_chat_template(engine.tokenizer),
                        token_ids=engine.tokenizer is None), flush=True)
     protocol = guarded_protocol(a.request_timeout_s, a.max_header_bytes)
@@ -314,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "disaggregated prefill move GPU to GPU by CUDA IPC); or, for one engine, a thread of the "
                          "server. auto: on a CUDA device, processes (ray with --ray-address); on the CPU, ray for "
                          "several engines and a thread for one")
+    dp.add_argument("--engine-timeout-s", type=positive(float), default=30.0,
+                    help="every call to an engine has this deadline (a poll: its wait plus this); an engine that "
+                         "misses it takes no requests, its requests move or end, until it answers again")
+    dp.add_argument("--engine-max-restarts", type=int, default=3, metavar="N",
+                    help="an engine that dies is started again up to N times (then reported failed in /health)")
+    dp.add_argument("--admin-key", default=None,
+                    help="turn on /admin/engines (drain, resume, remove or add an engine) behind 'Authorization: "
+                         "Bearer KEY' (or set KVOS_ADMIN_KEY)")
     add_config_args(s, RouterConfig)
     add_engine_args(s)
     s.set_defaults(fn=cmd_serve)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -13,7 +14,13 @@ from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.cache.pins import PinInfo
 from kvos.core.load import EngineLoad
 from kvos.core.sampling_params import SamplingParams
-from kvos.distributed.engines import TRANSPORTS, EngineDied, ProcessEngines, RayEngines
+from kvos.distributed.engines import (
+    TRANSPORTS,
+    EngineDied,
+    EngineHung,
+    ProcessEngines,
+    RayEngines,
+)
 from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.distributed.output_delta import OutputAccumulator
 from kvos.distributed.worker import EngineInfo, PollResult
@@ -28,6 +35,13 @@ from kvos.engine.client import (
 from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router, make_router
 
 log = logging.getLogger("kvos.distributed")
+
+ENGINE_TIMEOUT_S = 30.0
+"""Default deadline of every call to an engine (a poll: its wait plus this)."""
+GAUGES = frozenset({"block_size", "page_bytes", "total", "free", "cached", "used", "kv_usage", "num_blocks",
+                    "running", "waiting", "loading", "prefix_hit_rate"})
+"""Engine stats that describe now (summed over the engines up); the other numbers are counters,
+summed over every engine and its earlier lives so that they never go down."""
 
 
 @dataclass
@@ -47,6 +61,9 @@ class _InFlight:
     """Disaggregated prefill: the engine that computed the prompt, until its blocks are handed over."""
     output: OutputAccumulator | None = None
     """Its output so far on ``engine`` (rebuilt from the engine's deltas; reset when re-sent)."""
+    accepted: bool = False
+    """``engine`` took it (its ``add`` returned); until then a failure of ``engine`` is handled
+    by the ``_send`` that is adding it, not by ``_engine_down``."""
 
 
 @dataclass
@@ -101,13 +118,17 @@ class DataParallelEngine:
     def __init__(self, engine_kwargs: dict, num_engines: int, router: str = "kv_aware",
                  address: str | None = None, kv_weight: float = DEFAULT_KV_WEIGHT, max_restarts: int = 3,
                  poll_s: float = 0.2, prefill_engines: int = 0, transport: str = "ray",
-                 router_balance: tuple[int, float] = DEFAULT_BALANCE) -> None:
+                 router_balance: tuple[int, float] = DEFAULT_BALANCE,
+                 engine_timeout_s: float = ENGINE_TIMEOUT_S) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_engines < 1:
             raise ValueError(f"data_parallel must be >= 1, got {num_engines}")
         if prefill_engines < 0:
             raise ValueError(f"prefill_engines must be >= 0, got {prefill_engines}")
+        if not engine_timeout_s > 0:
+            raise ValueError(f"engine_timeout_s must be > 0, got {engine_timeout_s}")
+        self.engine_timeout_s = engine_timeout_s
         total = num_engines + prefill_engines
         # KV events feed the router; one engine has nothing to route (and pickling a step's
         # events cost the front end about a fifth of its time serving 256 streams on an H100)
@@ -140,8 +161,13 @@ class DataParallelEngine:
         self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity, router_balance)
         self.prefill_router = (make_router(router, prefill_engines, self.block_size, kv_weight, capacity, router_balance)
                                if prefill_engines else None)
+        self._engine_kwargs = kwargs[0]
         self.loads = [EngineLoad() for _ in range(total)]
         self.down = [False] * total
+        self.down_reason: list[str | None] = [None] * total
+        """Why engine i takes no requests: "died" (restarting), "unresponsive" (missed a deadline;
+        back when it answers), "failed" (out of restarts, reaped), "draining"/"removed" (admin)."""
+        self._retired: dict[str, float] = {}  # counters of engines' earlier lives (before a restart)
         self.router_stats = RouterStats(routed=[0] * total)
         self.poll_s = poll_s
         self.num_pending = 0  # sequences submitted with no output yet (the event loop only)
@@ -166,6 +192,15 @@ class DataParallelEngine:
         for t in self._tasks:
             t.cancel()
         self.engines.shutdown()
+
+    async def _call(self, i: int, method: str, *args, timeout: float | None = None):
+        """``engines.call`` with a deadline (``engine_timeout_s`` unless given): ``EngineHung``
+        past it, ``EngineDied`` if the engine is gone."""
+        limit = self.engine_timeout_s if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(self.engines.call(i, method, *args), limit)
+        except asyncio.TimeoutError:
+            raise EngineHung(f"engine {i} did not answer {method} within {limit:.0f} s") from None
 
     def _hashes(self, ids: list[int], salt: str | None) -> list[bytes]:
         hashes: list[bytes] = []
@@ -245,8 +280,8 @@ class DataParallelEngine:
         try:
             self._count(i, pre)
             self.router_stats.routed[i] += 1
-            await self.engines.call(i, "add", pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
-                                    rec.priority, rec.salt, rec.hashes, self.engines.device_transfer)
+            await self._call(i, "add", pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
+                             rec.priority, rec.salt, rec.hashes, self.engines.device_transfer)
             while True:
                 item = await pre.stream.queue.get()
                 if isinstance(item, BaseException):
@@ -268,19 +303,22 @@ class DataParallelEngine:
                 raise EngineUnavailable("no engine is up to take this request; retry later")
             e = self.router.choose(rec.hashes, self.loads[: self.num_decode])
             rec.engine, rec.predicted = e, self.router.predicted_hits(e, rec.hashes)
-            rec.output = None
+            rec.output, rec.accepted = None, False
             self._inflight[rec.request_id] = rec
             self.router.on_routed(e, rec.hashes)  # (before the awaits: a burst sees this choice)
             self._count(e, rec)
             try:
                 await self._add_with_blocks(e, rec)
-            except EngineDied:
+            except EngineDied as err:
                 self._inflight.pop(rec.request_id, None)
-                self._engine_down(e)
+                self._engine_down(e, "unresponsive" if isinstance(err, EngineHung) else "died")
+                if isinstance(err, EngineHung):
+                    self.engines.notify(e, "abort", rec.request_id)  # it may have taken it
                 continue
             except BaseException:
                 self._inflight.pop(rec.request_id, None)
                 raise
+            rec.accepted = True
             self.router_stats.routed[e] += 1
             self.router_stats.predicted_hit_blocks += rec.predicted
             self.router_stats.prompt_blocks += len(rec.hashes)
@@ -295,13 +333,13 @@ class DataParallelEngine:
         t0 = time.perf_counter()
         if source >= 0:
             try:
-                found = await self.engines.call(source, "take_export", f"{rec.request_id}-prefill", rec.predicted)
+                found = await self._call(source, "take_export", f"{rec.request_id}-prefill", rec.predicted)
             except Exception as err:
                 log.warning("blocks of %s could not be read on its prefill engine (%s)", rec.request_id, err)
         try:
-            stored = await self.engines.call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
-                                             rec.priority, rec.salt, None, False, found,
-                                             rec.prompt.get("segment_spans") or ())
+            stored = await self._call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
+                                      rec.priority, rec.salt, None, False, found,
+                                      rec.prompt.get("segment_spans") or ())
         finally:
             if found is not None and isinstance(found.rows, DeviceRows):
                 self.engines.notify(source, "transfer_done", found.rows.nbytes)
@@ -352,14 +390,14 @@ class DataParallelEngine:
 
     # -- engines ---------------------------------------------------------------------------
     async def _poll_loop(self, i: int) -> None:
-        while True:
+        while self.down_reason[i] != "removed":
             if self.down[i]:
                 await self._await_restart(i)
                 continue
             try:
-                res: PollResult = await self.engines.call(i, "poll", self.poll_s)
-            except EngineDied:
-                self._engine_down(i)
+                res: PollResult = await self._call(i, "poll", self.poll_s, timeout=self.poll_s + self.engine_timeout_s)
+            except EngineDied as err:
+                self._engine_down(i, "unresponsive" if isinstance(err, EngineHung) else "died")
                 continue
             except asyncio.CancelledError:
                 raise
@@ -393,27 +431,36 @@ class DataParallelEngine:
             if not router.on_events(local, batch):
                 self.router_stats.resyncs += 1
                 try:
-                    router.on_snapshot(local, await self.engines.call(i, "snapshot"))
+                    router.on_snapshot(local, await self._call(i, "snapshot"))
                 except Exception:  # the engine died meanwhile: its poll notices
                     break
         self.loads[i] = res.load
+        old = self.engine_stats[i]
+        if old.get("pid") is not None and res.stats.get("pid") != old.get("pid"):  # a new life: keep the old counts
+            for k, v in old.items():
+                if k not in GAUGES and isinstance(v, (int, float)) and not isinstance(v, bool) and k != "pid":
+                    self._retired[k] = self._retired.get(k, 0) + v
         self.engine_stats[i] = res.stats
 
-    def _engine_down(self, i: int) -> None:
-        """Engine ``i``'s actor died: stop routing to it, move or cut its requests."""
+    def _engine_down(self, i: int, reason: str = "died") -> None:
+        """Engine ``i`` died or missed a deadline (``reason``): stop routing to it, move or cut its
+        requests (an unresponsive engine is told to abort them, for when it wakes)."""
         if self.down[i]:
             return
-        log.warning("engine %d died; routing around it until it is restarted", i)
+        log.warning("engine %d %s; routing around it until it answers again", i,
+                    "died" if reason == "died" else "did not answer within its deadline")
         self.down[i] = True
+        self.down_reason[i] = reason
         self.router_stats.engine_failures += 1
         self.loads[i] = EngineLoad()
         router, local = self._router_of(i)
         router.on_engine_removed(local)
-        for rec in [r for r in self._inflight.values() if r.engine == i]:
+        for rec in [r for r in self._inflight.values()
+                    if r.engine == i and (r.accepted or r.request_id.endswith("-prefill"))]:
             if rec.request_id.endswith("-prefill"):  # its _prefill gives up; decode computes the prompt
                 del self._inflight[rec.request_id]
                 rec.stream.queue.put_nowait(RuntimeError(f"prefill engine {i} failed"))
-            elif (rec.retriable or not rec.delivered) and any(not d for d in self.down[: self.num_decode]):
+            elif (rec.retriable or not rec.delivered) and self.engines_up():
                 self.router_stats.retried += 1
                 asyncio.get_running_loop().create_task(self._resend(rec))
             else:
@@ -421,6 +468,8 @@ class DataParallelEngine:
                 self.router_stats.cut += 1
                 rec.stream.queue.put_nowait(EngineUnavailable(
                     f"engine {i} failed while this request was streaming; retry it"))
+            if reason == "unresponsive":
+                self.engines.notify(i, "abort", rec.request_id)
 
     async def _resend(self, rec: _InFlight) -> None:
         try:
@@ -430,21 +479,92 @@ class DataParallelEngine:
             rec.stream.queue.put_nowait(EngineUnavailable(f"its engine failed and no other could take it: {err}"))
 
     async def _await_restart(self, i: int) -> None:
-        """Wait until engine ``i`` is restarted and answers, then route to it again (an empty
-        cache)."""
-        if not await self.engines.revive(i):
+        """Wait until engine ``i`` is running (restarted if it died) and answers a ping within the
+        deadline, then route to it again, its cache as its snapshot says."""
+        if self.down_reason[i] in ("removed", "draining"):
             await asyncio.sleep(1.0)
+            return
+        if not await self.engines.revive(i):
+            if self.engines.restarts_left(i) == 0:
+                self.down_reason[i] = "failed"
+            await asyncio.sleep(1.0)
+            return
+        try:
+            await self._call(i, "ping", timeout=min(5.0, self.engine_timeout_s))
+        except EngineDied as err:
+            if not isinstance(err, EngineHung):
+                self.down_reason[i] = "died"
+            await asyncio.sleep(1.0)
+            return
+        if self.down_reason[i] in ("removed", "draining"):  # an admin call meanwhile
             return
         log.info("engine %d is back", i)
         router, local = self._router_of(i)
+        with contextlib.suppress(Exception):  # an engine that woke keeps its cache: learn it
+            router.on_snapshot(local, await self._call(i, "snapshot"))
         router.live[local] = True
         self.down[i] = False
+        self.down_reason[i] = None
+
+    # -- administration (authenticated /admin endpoints) ------------------------------------
+    def _check_index(self, i: int) -> None:
+        if not 0 <= i < len(self.down) or self.down_reason[i] == "removed":
+            raise ValueError(f"engine: no engine {i} (engines: {[j for j in range(len(self.down)) if self.down_reason[j] != 'removed']})")
+
+    def drain_engine(self, i: int) -> None:
+        """Send engine ``i`` no new requests; those it runs finish there."""
+        self._check_index(i)
+        if self.down_reason[i] is None:
+            router, local = self._router_of(i)
+            router.live[local] = False
+            self.down_reason[i] = "draining"
+
+    def resume_engine(self, i: int) -> None:
+        """Route to a drained engine again."""
+        self._check_index(i)
+        if self.down_reason[i] == "draining":
+            router, local = self._router_of(i)
+            router.live[local] = True
+            self.down_reason[i] = None
+
+    async def remove_engine(self, i: int, timeout: float) -> int:
+        """Drain engine ``i``, wait up to ``timeout`` for its requests (then move or cut the
+        rest, as for a dead engine), and stop its process for good. Returns the requests it
+        still held at the end."""
+        self._check_index(i)
+        if i >= self.num_decode or self.num_decode - sum(r == "removed" for r in self.down_reason) <= 1:
+            raise ValueError(f"engine: engine {i} is the last decode engine or a prefill engine; it cannot be removed")
+        self.drain_engine(i)
+        end = time.monotonic() + timeout
+        while any(r.engine == i for r in self._inflight.values()) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        left = sum(r.engine == i for r in self._inflight.values())
+        self.down_reason[i] = None
+        self._engine_down(i, "removed")
+        await asyncio.to_thread(self.engines.stop_engine, i)
+        return left
+
+    async def add_engine(self) -> int:
+        """Start one more decode engine with the others' settings; it takes requests once built.
+        Returns its index."""
+        if self.prefill_router is not None:
+            raise ValueError("engine: engines are added to a fleet without prefill engines")
+        i = await asyncio.to_thread(self.engines.add_engine, self._engine_kwargs)
+        self.loads.append(EngineLoad())
+        self.down.append(False)
+        self.down_reason.append(None)
+        self.engine_stats.append(await self._call(i, "stats"))
+        self.router_stats.routed.append(0)
+        assert self.router.on_engine_added() == i
+        self.num_decode += 1
+        self._tasks.append(asyncio.get_running_loop().create_task(self._poll_loop(i)))
+        return i
 
     # -- observability ---------------------------------------------------------------------
     def engines_up(self) -> int:
         """Engines that can take requests now (decode engines in disaggregated mode): ``/health``
         is 503 at 0."""
-        return sum(not d for d in self.down[: self.num_decode])
+        return sum(not d and r is None for d, r in zip(self.down[: self.num_decode], self.down_reason))
 
     def prefill_engines_up(self) -> int | None:
         """Prefill engines up (None without disaggregation). At 0 the decode engines compute
@@ -452,13 +572,14 @@ class DataParallelEngine:
         return None if self.prefill_router is None else sum(not d for d in self.down[self.num_decode:])
 
     def health(self) -> EngineHealth:
-        return EngineHealth(self.engines_up(), self.prefill_engines_up())
+        down = {i: r for i, r in enumerate(self.down_reason) if r is not None and r != "removed"}
+        return EngineHealth(self.engines_up(), self.prefill_engines_up(), down)
 
     async def top_prefixes(self, n: int = 10) -> list[dict]:
         """The ``n`` most-hit cached prefixes of every engine up, ranked together; each row names
         its ``engine``. An engine that fails to answer is left out."""
         live = [i for i, d in enumerate(self.down) if not d]
-        answers = await asyncio.gather(*(self.engines.call(i, "top_prefixes", n) for i in live),
+        answers = await asyncio.gather(*(self._call(i, "top_prefixes", n) for i in live),
                                        return_exceptions=True)
         rows = [{**row, "engine": i} for i, found in zip(live, answers) if not isinstance(found, BaseException)
                 for row in found]
@@ -469,16 +590,22 @@ class DataParallelEngine:
         """The engines' figures summed (numbers at the top level), each engine's own under
         ``engines``, and the router's under ``router``."""
         live = [s for s, d in zip(self.engine_stats, self.down) if not d] or [self.engine_stats[0]]
-        total: dict = {k: v for k, v in live[0].items() if not isinstance(v, (dict, list)) and k != "pid"}
-        for s in live[1:]:
+        total: dict = {k: v for k, v in live[0].items()
+                       if not isinstance(v, (dict, list)) and k != "pid" and (k in GAUGES or not isinstance(v, (int, float)))}
+        for s in live[1:]:  # gauges: the engines up now
             for k, v in s.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(total.get(k), (int, float)):
+                if k in GAUGES and isinstance(v, (int, float)) and isinstance(total.get(k), (int, float)):
                     total[k] += v
+        for s in [*self.engine_stats, self._retired]:  # counters: every engine, every life
+            for k, v in s.items():
+                if k not in GAUGES and k != "pid" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    total[k] = total.get(k, 0) + v
         if total.get("total"):
             total["kv_usage"] = total["used"] / total["total"]
         if total.get("prefix_queries_tokens"):
             total["prefix_hit_rate"] = total["prefix_hits_tokens"] / total["prefix_queries_tokens"]
-        total["engines"] = [{"engine": i, "role": "decode" if i < self.num_decode else "prefill", "up": not d, **s}
+        total["engines"] = [{"engine": i, "role": "decode" if i < self.num_decode else "prefill", "up": not d,
+                             "state": self.down_reason[i] or "up", **s}
                             for i, (s, d) in enumerate(zip(self.engine_stats, self.down))]
         total["router"] = {"policy": self.router_name, **vars(self.router_stats)}
         return total

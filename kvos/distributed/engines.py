@@ -31,6 +31,11 @@ class EngineDied(RuntimeError):
     """The engine's process or actor is gone; its calls in flight fail with this."""
 
 
+class EngineHung(EngineDied):
+    """The engine did not answer a call within its deadline (a stopped or stuck process); it is
+    routed around like a dead one until it answers again."""
+
+
 class RayEngines:
     """One ``EngineWorker`` actor per engine on the Ray cluster at ``address`` (None: start a
     local one, or join the one ``RAY_ADDRESS`` names); one GPU each when the cluster has a GPU
@@ -51,10 +56,25 @@ class RayEngines:
         n = len(kwargs)
         per_gpu = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
         threads = max(1, int(ray.cluster_resources().get("CPU", 1) // n))
-        worker = ray.remote(EngineWorker)
-        self.actors = [worker.options(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts,
-                                      max_concurrency=RPC_THREADS,
-                                      ).remote(kwargs[i], i, threads) for i in range(n)]
+        self._worker = ray.remote(EngineWorker)
+        self._options = dict(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts, max_concurrency=RPC_THREADS)
+        self._threads = threads
+        self.actors = [self._worker.options(**self._options).remote(kwargs[i], i, threads) for i in range(n)]
+
+    def add_engine(self, kwargs: dict) -> int:
+        """Start one more engine actor; returns its index."""
+        self.actors.append(self._worker.options(**self._options).remote(kwargs, len(self.actors), self._threads))
+        return len(self.actors) - 1
+
+    def stop_engine(self, i: int) -> None:
+        """End engine ``i``'s actor for good (no restart)."""
+        import ray
+
+        ray.kill(self.actors[i], no_restart=True)
+
+    def restarts_left(self, i: int) -> int | None:
+        """Unknown here: Ray counts an actor's restarts."""
+        return None
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -225,6 +245,7 @@ class ProcessEngines:
         self.device_transfer = bool(gpus)
         """The engines are processes of this host on its GPUs: KV moves between them by CUDA IPC."""
         self._threads = max(1, (os.cpu_count() or 1) // n)
+        self._max_restarts = max_restarts
         self._restarts = [max_restarts] * n
         self.procs = [_Process(self._ctx, kwargs[i], i, self._threads, self._gpu[i]) for i in range(n)]
         try:  # built side by side
@@ -247,10 +268,14 @@ class ProcessEngines:
         self.procs[i].call(method, args)
 
     async def revive(self, i: int) -> bool:
+        """True once engine ``i``'s process is running (a dead one started anew, while restarts are
+        left; past them, the dead process is reaped and this stays False)."""
         p = self.procs[i]
         if p.alive:
             return True
         if self._restarts[i] <= 0:
+            if p.proc.exitcode is None:
+                await asyncio.to_thread(p.stop, 1.0)  # reap it
             await asyncio.sleep(1.0)
             return False
         self._restarts[i] -= 1
@@ -267,6 +292,25 @@ class ProcessEngines:
     def kill(self, i: int) -> None:
         """Kill engine ``i``'s process (fault injection for tests)."""
         self.procs[i].proc.kill()
+
+    def restarts_left(self, i: int) -> int | None:
+        return self._restarts[i]
+
+    def add_engine(self, kwargs: dict) -> int:
+        """Start one more engine process (blocks until it is built); returns its index."""
+        i = len(self.procs)
+        proc = _Process(self._ctx, kwargs, i, self._threads, None)
+        proc.wait_started()
+        self._kwargs.append(kwargs)
+        self._gpu.append(None)
+        self._restarts.append(self._max_restarts)
+        self.procs.append(proc)
+        return i
+
+    def stop_engine(self, i: int) -> None:
+        """Stop engine ``i``'s process for good (no restart)."""
+        self._restarts[i] = 0
+        self.procs[i].stop()
 
     def shutdown(self) -> None:
         for p in self.procs:

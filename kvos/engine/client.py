@@ -67,6 +67,12 @@ class EngineHealth:
     prefill_engines_up: int | None = None
     """Prefill engines up; None without disaggregation. At 0 the decode engines compute the
     prompts themselves, so the client still serves."""
+    engines_down: dict[int, str] | None = None
+    """Engines that take no requests now and why ("died", "unresponsive", "failed", "draining")."""
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.engines_down)
 
     @property
     def serving(self) -> bool:
@@ -74,8 +80,11 @@ class EngineHealth:
 
     def json(self) -> dict:
         """The counts that are known, as ``/health`` reports them."""
-        return {k: v for k, v in (("engines_up", self.engines_up), ("prefill_engines_up", self.prefill_engines_up))
-                if v is not None}
+        out = {k: v for k, v in (("engines_up", self.engines_up), ("prefill_engines_up", self.prefill_engines_up))
+               if v is not None}
+        if self.engines_down:
+            out["engines_down"] = {str(i): why for i, why in self.engines_down.items()}
+        return out
 
 
 @dataclass

@@ -22,6 +22,7 @@ from kvos.core.sampling_params import SamplingParams
 from kvos.engine.chat import chat_prompt_ids, has_chat_template, message_spans
 from kvos.engine.client import EngineClient, EngineStopped, RequestStream
 from kvos.engine.llm_engine import encode_segments
+from kvos.serve.admin import add_admin_routes
 from kvos.serve.chat_tools import ChatTools
 from kvos.serve.errors import APIError, clip, error_response, install_error_handlers
 from kvos.serve.kv_summary import kv_summary_router
@@ -103,8 +104,9 @@ class RequestIdMiddleware:
 def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None = None,
                max_waiting: int = 256, warmup: bool = True, allowed_origins: list[str] | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> FastAPI:
-    """Serve ``engine`` (the app's lifespan starts and shuts it down). ``allowed_origins``: turn
+               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, admin_key: str | None = None) -> FastAPI:
+    """Serve ``engine`` (the app's lifespan starts and shuts it down). ``admin_key``: the bearer
+    key of the ``/admin/engines`` routes (``kvos.serve.admin``; off without one). ``allowed_origins``: turn
     CORS on for these origins (``["*"]``: any); off when None or empty. ``max_request_bytes``:
     larger bodies get 413. ``shutdown_timeout_s``: how long shutdown waits for requests in flight
     before cutting them (``app.state.kvos.drain``)."""
@@ -123,6 +125,7 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
 
     app = FastAPI(title="kvos", version=kvos.__version__, lifespan=lifespan)
     app.state.kvos = state
+    add_admin_routes(app, engine, admin_key)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)  # inside CORS: a 413 is readable
     if allowed_origins:
@@ -142,9 +145,9 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
     async def health():
         engines = state.engine.health()
         if state.ready and not state.draining and engines.serving:
-            return {"status": "ok", **engines.json()}
+            return {"status": "degraded" if engines.degraded else "ok", **engines.json()}
         status = "draining" if state.draining else "warming_up" if not state.ready else "no_engine"
-        return JSONResponse({"status": status}, status_code=503)
+        return JSONResponse({"status": status, **engines.json()}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():

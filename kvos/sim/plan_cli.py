@@ -39,7 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-dist", default=None, metavar="LO:HI",
                    help="request lengths uniform in [LO, HI]: paged uses the mean, contiguous the max")
     p.add_argument("--num-requests", type=int, default=1)
-    p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int, default=1,
+                   help="GPUs one engine is sharded over: weights and KV heads per GPU (KV heads replicated past their count)")
     p.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a speculative draft model (preset, config.json or .gguf): its weights and KV group count")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -1,5 +1,7 @@
 """``kvos serve --transport process``: the engine loop in a process of its own (no Ray), driven
-by a real HTTP client; the fault is a real process kill."""
+by a real HTTP client; faults are real signals (SIGKILL, SIGSTOP). Later tests build on earlier
+ones: the kill uses the engine's one restart; the admin test adds a second engine, which the
+hang test stops and resumes and the last test removes before the first engine fails for good."""
 from __future__ import annotations
 
 import json
@@ -15,11 +17,14 @@ from kvos import SamplingParams
 from tests.support.server import Server, engines, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
+ADMIN_KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--transport", "process", "--max-model-len", "1024", "--num-blocks", "256").wait_ready(timeout=600)
+    s = Server("--transport", "process", "--max-model-len", "1024", "--num-blocks", "256", "--engine-timeout-s", "5",
+               "--engine-max-restarts", "1", "--admin-key", ADMIN_KEY).wait_ready(timeout=600)
     yield s
     assert s.stop() == 0
     assert "did not stop" not in s.output()  # the engine processes shut down when asked, not killed
@@ -103,6 +108,8 @@ def test_a_killed_engine_process_ends_its_stream_and_comes_back(server, llm):
     t.start()
     assert started.wait(120)
     victim = engines(server)[0]["pid"]
+    queries = server.metric("kvos:prefix_cache_queries_total")
+    assert queries > 0
     os.kill(victim, signal.SIGKILL)
     t.join(300)
     assert not t.is_alive() and events[-1] == "[DONE]"
@@ -113,3 +120,78 @@ def test_a_killed_engine_process_ends_its_stream_and_comes_back(server, llm):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "The speed of light is",
                                                           "max_tokens": 12, "temperature": 0}, timeout=300)
     assert r.json()["choices"][0]["text"] == ref.outputs[0].text
+    assert server.metric("kvos:prefix_cache_queries_total") >= queries  # counters survive the restart
+
+
+def complete(server, prompt: str, max_tokens: int = 4) -> dict:
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                          "temperature": 0}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_admin_adds_drains_and_resumes_engines(server):
+    url = f"{server.url}/admin/engines"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    added = httpx.post(url, headers=ADMIN, timeout=300)
+    assert added.status_code == 200, added.text
+    assert added.json()["added"] == 1
+    wait_until(lambda: engines(server).get(1, {}).get("up") == 1.0, timeout=60)
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "engines_up": 2}
+    drained = httpx.post(f"{url}/0/drain", headers=ADMIN).json()["engines"]
+    assert {e["engine"]: e["state"] for e in drained} == {0: "draining", 1: "up"}
+    assert httpx.get(f"{server.url}/health").json()["engines_down"] == {"0": "draining"}
+    before = server.metric("kvos:router_requests_total", 'engine="1",policy="kv_aware"')
+    for i in range(3):
+        complete(server, f"Tell me about the number {i}.")
+    assert server.metric("kvos:router_requests_total", 'engine="1",policy="kv_aware"') == before + 3  # all on the other engine
+    r = httpx.post(f"{url}/7/drain", headers=ADMIN)
+    assert r.status_code == 400 and "no engine 7" in r.json()["error"]["message"]
+    httpx.post(f"{url}/0/resume", headers=ADMIN).raise_for_status()
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "engines_up": 2}
+
+
+def test_a_stopped_engine_is_routed_around_and_returns(server, llm):
+    """SIGSTOP engine 1: within its 5 s deadline it is marked unresponsive (/health degraded,
+    naming it), requests complete on engine 0; after SIGCONT it answers and takes requests again."""
+    pid = engines(server)[1]["pid"]
+    prompts = [f"Write a sentence about the colour number {i}." for i in range(4)]
+    refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        results: dict[int, str] = {}
+
+        def send(i: int) -> None:
+            results[i] = complete(server, prompts[i], 8)["choices"][0]["text"]
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: httpx.get(f"{server.url}/health").json().get("engines_down") == {"1": "unresponsive"},
+                   timeout=60)
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        for t in threads:
+            t.join(120)
+            assert not t.is_alive()
+        assert results == {i: r.outputs[0].text for i, r in enumerate(refs)}
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_until(lambda: httpx.get(f"{server.url}/health").json() == {"status": "ok", "engines_up": 2}, timeout=60)
+    assert engines(server)[1]["pid"] == pid  # the same process, back
+
+
+def test_removing_an_engine_and_running_out_of_restarts(server):
+    """DELETE /admin/engines/1 stops it for good; then engine 0, out of restarts, is killed: the
+    server reports it failed (503 naming it) and its process is reaped."""
+    removed = httpx.delete(f"{server.url}/admin/engines/1", headers=ADMIN, timeout=120)
+    assert removed.status_code == 200, removed.text
+    assert [e["engine"] for e in removed.json()["engines"]] == [0]
+    r = httpx.delete(f"{server.url}/admin/engines/0", headers=ADMIN)
+    assert r.status_code == 400 and "last decode engine" in r.json()["error"]["message"]
+    pid = engines(server)[0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: httpx.get(f"{server.url}/health").json().get("engines_down") == {"0": "failed"}, timeout=60)
+    assert httpx.get(f"{server.url}/health").status_code == 503
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30)  # reaped, not a zombie

@@ -84,3 +84,16 @@ def test_default_model_tp3_prefix_hits_preemption_and_forks(default_tp3, llm):
     forks = SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=7)
     assert run(default_tp3, PROMPTS[1:2], forks)[0] == run(llm, PROMPTS[1:2], forks)[0]
     assert default_tp3.stats()["used"] == 0
+
+
+def test_planner_sizes_the_pool_of_a_rank(default_tp3, llm):
+    """``kvos plan --tensor-parallel-size 3`` counts the K/V heads one rank's pool holds."""
+    from kvos.models.loader import default_model_path
+    from kvos.sim.planner import model_layout
+    from kvos.sim.shapes import resolve_shape
+
+    shape = resolve_shape(str(default_model_path()))
+    for engine, tp in ((default_tp3.engine, 3), (llm.engine, 1)):
+        planned = model_layout(shape, "fp32", engine.config.block_size, "unified", tp)
+        assert planned.large_page_bytes == engine.layout.large_page_bytes
+    assert default_tp3.engine.layout.large_page_bytes * 3 == llm.engine.layout.large_page_bytes * 8 // 16
