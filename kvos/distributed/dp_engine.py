@@ -197,10 +197,17 @@ class DataParallelEngine:
         """``engines.call`` with a deadline (``engine_timeout_s`` unless given): ``EngineHung``
         past it, ``EngineDied`` if the engine is gone."""
         limit = self.engine_timeout_s if timeout is None else timeout
+        task = asyncio.ensure_future(self.engines.call(i, method, *args))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a late failure is not an error
         try:
-            return await asyncio.wait_for(self.engines.call(i, method, *args), limit)
-        except asyncio.TimeoutError:
-            raise EngineHung(f"engine {i} did not answer {method} within {limit:.0f} s") from None
+            done, _ = await asyncio.wait({task}, timeout=limit)
+        except asyncio.CancelledError:  # (not ``wait_for``: a cancelled caller never waits for the engine)
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            raise EngineHung(f"engine {i} did not answer {method} within {limit:.0f} s")
+        return task.result()
 
     def _hashes(self, ids: list[int], salt: str | None) -> list[bytes]:
         hashes: list[bytes] = []
