@@ -580,7 +580,7 @@ class DataParallelEngine:
 
     def health(self) -> EngineHealth:
         down = {i: r for i, r in enumerate(self.down_reason) if r is not None and r != "removed"}
-        return EngineHealth(self.engines_up(), self.prefill_engines_up(), down)
+        return EngineHealth(self.engines_up(), self.prefill_engines_up(), down or None)
 
     async def top_prefixes(self, n: int = 10) -> list[dict]:
         """The ``n`` most-hit cached prefixes of every engine up, ranked together; each row names

@@ -70,7 +70,8 @@ def exported(tmp_path_factory) -> dict[str, str]:
 
     dp_client = AsyncEngine(engine)
     fleet = SimpleNamespace(engine_stats=[{**engine.stats(), "pid": os.getpid()} for _ in range(2)],
-                            down=[False, False], num_decode=1, router_name="kv_aware",
+                            down=[False, False], down_reason=[None, None], _retired={}, num_decode=1,
+                            router_name="kv_aware",
                             router_stats=RouterStats(routed=[1, 0]))
     dp_client.stats = lambda: DataParallelEngine.stats(fleet)
     data_parallel = _families(_scrape(dp_client))
