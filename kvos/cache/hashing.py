@@ -1,6 +1,7 @@
 """Chained content hashes of full blocks.
 
-A block's hash covers its parent's hash, its token ids and extra keys; the chain's root covers
+A block's hash covers its parent's hash, its token ids and extra keys (the keys of the images
+whose tokens it holds); the chain's root covers
 the model and the tenant's cache salt. Two blocks share a hash only if their whole prefixes,
 model and salt are equal, so matching a hash means the KV content is equal (invariants 3 and 4).
 Hashes are stable across processes and machines (blake2b), so tiers and routers can key on them.
@@ -12,6 +13,7 @@ from array import array
 from collections.abc import Sequence
 
 from kvos.cache.block import BlockHash
+from kvos.core.media import MediaItem, block_media_keys
 
 _DIGEST = 16
 
@@ -35,10 +37,14 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple = 
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, root: BlockHash
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, root: BlockHash,
+    media: Sequence[MediaItem] = (),
 ) -> None:
-    """Append to ``hashes`` the hash of every full block of ``token_ids`` not yet hashed."""
+    """Append to ``hashes`` the hash of every full block of ``token_ids`` not yet hashed. A block
+    holding positions of ``media`` items hashes their keys too (the same placeholder tokens stand
+    for any image)."""
     while (len(hashes) + 1) * block_size <= len(token_ids):
         i = len(hashes)
         parent = hashes[-1] if hashes else root
-        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
+        extra = block_media_keys(media, i, block_size) if media else ()
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra))

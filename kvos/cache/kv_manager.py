@@ -151,7 +151,7 @@ class KVCacheManager:
         """Chained hashes of every full block of ``seq``'s known tokens (computed lazily; the
         same for every group)."""
         hashes = self._hashes.setdefault(seq.request_id, [])
-        extend_block_hashes(hashes, seq.all_token_ids, self.block_size, self.root(seq))
+        extend_block_hashes(hashes, seq.all_token_ids, self.block_size, self.root(seq), getattr(seq, "media", ()))
         return hashes
 
     def _registrable_hashes(self, seq: CacheableSequence) -> list[BlockHash]:

@@ -32,5 +32,9 @@ class CacheableSequence(Protocol):
     """Tokens whose cache waits in host memory to be copied back (swap preemption), else 0: the
     state group keeps a page where their last state goes back. Read with ``getattr``."""
 
+    media: tuple
+    """The prompt's images (``kvos.core.media.MediaItem``): their keys go into the hashes of the
+    blocks holding their tokens. Read with ``getattr`` (text-only sequences may lack it)."""
+
     @property
     def num_tokens(self) -> int: ...

@@ -16,6 +16,7 @@ KV_LAYOUTS = ("unified", "equal_pages", "homogeneous")
 PREEMPTION_MODES = ("recompute", "swap")
 TIER_VERIFY = ("auto", "host", "device")
 TIERS = "tiers below the device"  # the CLI's argument group for these fields
+IMAGES = "images (vision-language models)"
 
 # Each field's metadata drives its ``kvos`` flag (kvos.config.flags.add_config_args): "help", "choices" (a
 # tuple, or a registry read when the parser is built), and where the default spelling (--field-name) does not
@@ -145,6 +146,16 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "shard each layer over this many devices (GPUs cuda:0.., NCCL; on the CPU, processes with gloo): "
                 "attention heads, MLP columns and the vocabulary split, KV heads too"})
+    encoder_cache_mb: float = field(default=256.0, metadata={
+        "group": IMAGES, "help": "device memory for image encodings kept by content (a later request with the same "
+                                 "image skips the encoder, even when its KV was evicted); 0: none kept"})
+    limit_images_per_prompt: int = field(default=8, metadata={
+        "group": IMAGES, "help": "most images one prompt may hold"})
+    max_image_pixels: int = field(default=40_000_000, metadata={
+        "group": IMAGES, "help": "most pixels (width x height) of one decoded image"})
+    allow_remote_images: bool = field(default=False, metadata={
+        "group": IMAGES, "help": "fetch http(s) image URLs (off: only data: URLs, since a server reaches no "
+                                 "network by default)"})
     random_weights: bool = field(default=False, metadata={
         "help": "draw weights at random from the model's config (benchmarks without real weights)"})
     tokenizer: str | None = field(default=None, metadata={
@@ -209,6 +220,12 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.segment_reuse and not self.enable_prefix_caching:
             raise ValueError("segment_reuse needs prefix caching (segments are cached in the prefix cache)")
+        if not isinstance(self.encoder_cache_mb, (int, float)) or self.encoder_cache_mb < 0:
+            raise ValueError(f"encoder_cache_mb must be a non-negative number, got {self.encoder_cache_mb!r}")
+        for name in ("limit_images_per_prompt", "max_image_pixels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_tensor_parallel()
         if self.generation_config not in GENERATION_CONFIGS:

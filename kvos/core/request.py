@@ -5,6 +5,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from kvos.core.media import MediaItem
 from kvos.core.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
@@ -80,6 +81,8 @@ class Request:
     registers it in the prefix cache. None: every computed token's KV is exact."""
     reuse_spans: list = field(default_factory=list)
     """The scheduler's pending ``ReuseSpan``s (segment reuse), in prompt order."""
+    media: tuple[MediaItem, ...] = ()
+    """The prompt's images, in order and disjoint (``kvos.core.media``)."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -150,4 +153,4 @@ class Request:
             parent_id=self.parent_id, sample_index=index, arrival=self.arrival,
             all_token_ids=list(self.all_token_ids), num_computed_tokens=self.num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens, status=self.status, forked=True,
-            segments=self.segments, exact_tokens=self.exact_tokens)
+            segments=self.segments, exact_tokens=self.exact_tokens, media=self.media)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvos.core.media import MediaItem
 from kvos.core.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ class StepSeq:
     """Speculative decoding: the last tokens of ``token_ids`` are these drafts; the one sampling
     target gets the accepted drafts and one token of its own, from the logits of the last
     ``len(draft_token_ids) + 1`` positions."""
+    media: list[MediaItem] = field(default_factory=list)
+    """The images with a position in this chunk (each whole, with its pixels)."""
 
 
 @dataclass(slots=True)

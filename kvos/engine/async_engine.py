@@ -49,7 +49,9 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_facts = ModelFacts(engine.kv.model_id, engine.max_model_len, engine.model_config.vocab_size,
                                       config.dtype, config.device, dict(engine.default_sampling),
-                                      config.segment_reuse)
+                                      config.segment_reuse, engine.model_config.vision,
+                                      engine.model_path if engine.model_path.is_dir() else None,
+                                      engine.media.limits if engine.media is not None else None)
 
     def start(self) -> None:
         self._thread.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -27,13 +27,61 @@ def validate_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
         if m["role"] not in _ROLES:
             raise ValueError(f"messages[{i}].role must be one of {_ROLES}, got {m['role']!r}")
-        if not isinstance(m["content"], str):
-            raise ValueError(f"messages[{i}].content must be a string")
+        content = m["content"]
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and (part.get("type") == "image" or (
+                        part.get("type") == "text" and isinstance(part.get("text"), str)))):
+                    raise ValueError(f"messages[{i}].content[{j}] must be a text or image part")
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts")
     return messages
 
 
+def split_image_parts(messages) -> tuple[list, list[tuple[str, object]]]:
+    """Messages whose content is a list of parts, as chat templates take them: text parts
+    (``{"type": "text", "text"}``) kept, image parts (OpenAI's ``{"type": "image_url",
+    "image_url": {"url"}}``, or ``{"type": "image", "image": ...}`` with a PIL image, bytes, a data
+    URL or a path) replaced by ``{"type": "image"}``; a message without images gets its text
+    parts joined into one string (what templates of text models expect). Returns the messages
+    and each image's (field name, source), in order. ``ValueError`` naming a malformed part."""
+    if not isinstance(messages, list) or not any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                                 for m in messages):
+        return messages, []
+    out, images = [], []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), list):
+            out.append(m)
+            continue
+        parts, texts, has_image = [], [], False
+        for j, part in enumerate(m["content"]):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+                texts.append(part["text"])
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError(f"{where}.image_url must be {{'url': a data: URL}}")
+                parts.append({"type": "image"})
+                images.append((where, url))
+                has_image = True
+            elif kind == "image" and part.get("image") is not None:
+                parts.append({"type": "image"})
+                images.append((where, part["image"]))
+                has_image = True
+            else:
+                raise ValueError(f"{where} must be {{'type': 'text', 'text': ...}} or an image part "
+                                 f"({{'type': 'image_url', 'image_url': {{'url': ...}}}})")
+        out.append({**m, "content": parts if has_image else "".join(texts)})
+    return out, images
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+                    add_special_tokens: bool = False, tools: list[dict] | None = None,
+                    expand: Callable[[str], str] | None = None) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template and tokenize the result.
 
     Contract: the special tokens the template writes become their ids; special-token text inside
@@ -41,7 +89,8 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     messages without special-token text the ids equal ``tokenizer(rendered, add_special_tokens=
     add_special_tokens)``. ``add_special_tokens`` adds the tokenizer's own BOS/EOS (the template
     usually holds them already). ``tools`` (OpenAI's tool list) go to a template that renders
-    them, under the same rule. Raises ``ValueError`` (a 400 naming ``messages``) for invalid
+    them, under the same rule. ``expand`` rewrites the template's own text before tokenizing
+    (an image's start token into its whole token sequence). Raises ``ValueError`` (a 400 naming ``messages``) for invalid
     messages, a model without a template, or a template or tokenizer that rejects them."""
     if not has_chat_template(tokenizer):
         raise ValueError("messages: this model has no chat template (a base model); send a plain "
@@ -49,18 +98,20 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     messages = validate_messages(messages)
     control = _control_re(tokenizer)
     given = [messages, tools or []]
+    expand = expand or (lambda text: text)
     if control is None or not any(control.search(s) for s in _strings(given)):
-        return _encode(tokenizer, _render(tokenizer, messages, add_generation_prompt, tools), add_special_tokens)
+        return _encode(tokenizer, expand(_render(tokenizer, messages, add_generation_prompt, tools)),
+                       add_special_tokens)
     start, end = _free_markers(given)
     marked = _mark(messages, control, start, end)
     text = _render(tokenizer, marked, add_generation_prompt, _mark(tools, control, start, end) if tools else None)
     # [template text, marked token (or None: a lone marker the template split off), template text, ...]
     pieces = re.split(f"{start}({control.pattern}){end}|[{start}{end}]", text)
     try:
-        ids = list(tokenizer(pieces[0], add_special_tokens=False).input_ids)
+        ids = list(tokenizer(expand(pieces[0]), add_special_tokens=False).input_ids)
         for i, piece in enumerate(pieces[1:], start=1):
             if piece:
-                ids += _encode_piece(tokenizer, piece, as_text=i % 2 == 1)
+                ids += _encode_piece(tokenizer, piece if i % 2 else expand(piece), as_text=i % 2 == 1)
     except Exception as e:
         raise ValueError(f"messages: cannot be tokenized ({type(e).__name__}: {clip(e)})") from e
     if add_special_tokens:

@@ -16,11 +16,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from kvos.cache.pins import PinInfo
 from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
+from kvos.engine.media import MediaLimits
+from kvos.models.config import VisionShape
 
 
 class EngineStopped(RuntimeError):
@@ -55,6 +58,12 @@ class ModelFacts:
     segment_reuse: bool = False
     """The engines reuse segments (``EngineConfig.segment_reuse``): a chat's messages are sent
     as segments."""
+    vision: VisionShape | None = field(default=None, hash=False, compare=False)
+    """A vision-language model's image side (None: the model takes no images)."""
+    media_folder: Path | None = field(default=None, hash=False, compare=False)
+    """The checkpoint folder whose image processor prepares images (None: the model's defaults)."""
+    media_limits: MediaLimits | None = field(default=None, hash=False, compare=False)
+    """Images per prompt, pixels, remote URLs (``EngineConfig``'s image fields)."""
 
 
 @dataclass(frozen=True)

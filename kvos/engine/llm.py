@@ -8,8 +8,9 @@ from tqdm.auto import tqdm
 from kvos.config import EngineConfig
 from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
-from kvos.engine.chat import chat_prompt_ids, message_spans
+from kvos.engine.chat import chat_prompt_ids, message_spans, split_image_parts
 from kvos.engine.llm_engine import LLMEngine, PromptType
+from kvos.engine.media import expand_image_text
 
 Message = dict[str, str]
 
@@ -63,8 +64,10 @@ class LLM:
             sp.validate()
         ids: list[str] = []
         try:
-            for (text, token_ids, spans), sp, pr in zip(tokenized, params_list, prios):
+            for (text, token_ids, spans), sp, pr, p in zip(tokenized, params_list, prios, prompts):
                 prompt = {"prompt": text, "prompt_token_ids": token_ids, "segment_spans": spans}
+                if isinstance(p, dict) and p.get("multi_modal_data") is not None:
+                    prompt["multi_modal_data"] = p["multi_modal_data"]
                 ids.append(self.engine.add_request(prompt, sp, priority=pr, cache_salt=cache_salt))
         except ValueError:
             for rid in ids:
@@ -80,13 +83,28 @@ class LLM:
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for c in convs:
+            c, images = split_image_parts(c)
+            if images:
+                prepared = self.engine.prompt_images({"image": [src for _, src in images]},
+                                                      [where for where, _ in images])
+                ids = chat_prompt_ids(self.engine.tokenizer, c, add_generation_prompt, expand=self._expand)
+                prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": prepared}})
+                continue
             ids = self.chat_token_ids(c, add_generation_prompt)
             spans = message_spans(self.engine.tokenizer, c, ids) if self.engine.config.segment_reuse else ()
             prompts.append({"prompt_token_ids": ids, "segment_spans": spans})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def chat_token_ids(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt)
+        """The chat's prompt ids; each image part becomes the model's image tokens."""
+        messages, images = split_image_parts(messages)
+        expand = self._expand if images else None
+        return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt, expand=expand)
+
+    def _expand(self, text: str) -> str:
+        if self.engine.media is None:
+            raise ValueError("messages: this model takes no images")
+        return expand_image_text(text, self.engine.tokenizer, self.engine.media.vision)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

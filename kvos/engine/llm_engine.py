@@ -24,11 +24,19 @@ from kvos.connector.block_adoption import BlockAdopter
 from kvos.connector.offload import OffloadManager, build_hierarchy
 from kvos.connector.swap import HostSwapSpace
 from kvos.core.kv_events import KVEventBatch, KVSnapshot
+from kvos.core.media import MediaItem
 from kvos.core.outputs import CompletionOutput, RequestOutput
 from kvos.core.request import Request, RequestStatus
 from kvos.core.sampling_params import SamplingParams
 from kvos.engine.detokenizer import IncrementalDetokenizer
 from kvos.engine.gc_tuning import relax_gc_thresholds
+from kvos.engine.media import (
+    ImagePreparer,
+    MediaLimits,
+    PreparedImage,
+    expand_image_text,
+    media_items,
+)
 from kvos.engine.state_layout import refuse_with_state, state_group
 from kvos.models.fingerprint import model_fingerprint
 from kvos.models.generation_defaults import model_sampling_defaults
@@ -50,6 +58,7 @@ from kvos.structured.grammars import GrammarCompiler
 from kvos.structured.matchers import SequenceMatchers
 from kvos.worker.device import resolve_device
 from kvos.worker.draft_model import DraftModel
+from kvos.worker.encoder_cache import EncoderCache
 from kvos.worker.parallel_runner import ParallelRunner
 from kvos.worker.runner import LaunchedStep, ModelRunner, parse_dtype
 
@@ -173,6 +182,13 @@ class LLMEngine:
             self.runner = ModelRunner(path, dtype, torch.device(device), random_weights=config.random_weights,
                                       block_weights=config.block_weights)
         mc = self.model_config = self.runner.cfg
+        self.media: ImagePreparer | None = None
+        """A vision-language model's image preparation (decode, limits, the checkpoint's processor)."""
+        if mc.vision is not None:
+            self.media = ImagePreparer(mc.vision, path if path.is_dir() else None, MediaLimits(
+                max_images=config.limit_images_per_prompt, max_pixels=config.max_image_pixels,
+                allow_remote=config.allow_remote_images, allow_files=True))
+            self.runner.encoder_cache = EncoderCache(int(config.encoder_cache_mb * (1 << 20)))
         if self.tokenizer is not None and len(self.tokenizer) > mc.vocab_size:
             raise ValueError(f"tokenizer: {len(self.tokenizer)} tokens do not fit the model's vocabulary of "
                              f"{mc.vocab_size}")
@@ -327,6 +343,14 @@ class LLMEngine:
         ``tokenize_prompt`` takes (no segments)."""
         if isinstance(prompt, dict) and "segments" in prompt:
             return self.tokenize_segments(prompt["segments"])
+        if (isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
+                and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str)):
+            if self.media is None:
+                raise ValueError("multi_modal_data: this model takes no images")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this engine has no tokenizer; pass prompt_token_ids with the image tokens")
+            text = expand_image_text(prompt["prompt"], self.tokenizer, self.media.vision)
+            return text, encode_prompt(self.tokenizer, text), ()
         text, ids = self.tokenize_prompt(prompt)
         spans = prompt.get("segment_spans") if isinstance(prompt, dict) else None
         if not spans:
@@ -342,6 +366,38 @@ class LLMEngine:
                                  f"tokens, got {list(spans)!r}")
             end = b
         return text, ids, spans
+
+    def prompt_images(self, data, names: list[str] | None = None) -> list[PreparedImage]:
+        """``multi_modal_data``'s images decoded and preprocessed (``ImagePreparer``); ValueError
+        naming ``multi_modal_data.image[i]`` (or ``names[i]``) for a bad one, or past the
+        per-prompt limit."""
+        if self.media is None:
+            raise ValueError("multi_modal_data: this model takes no images")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict {'image': an image or a list of images}")
+        images = data.get("image") or []
+        images = images if isinstance(images, (list, tuple)) else [images]
+        limit = self.media.limits.max_images
+        if len(images) > limit:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most {limit} per prompt "
+                             f"(limit_images_per_prompt)")
+        names = names or [f"multi_modal_data.image[{i}]" for i in range(len(images))]
+        return [self.media.prepare(im, where) for im, where in zip(images, names)]
+
+    def prompt_media(self, prompt: PromptType, ids: list[int], cache_salt: str | None) -> tuple[MediaItem, ...]:
+        """The prompt's images paired with its image-token runs (none without ``multi_modal_data``,
+        where the prompt may hold no image token)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            if self.media is not None and self.media.vision.image_token_id in ids:
+                raise ValueError("prompt_token_ids: the prompt holds image tokens but no multi_modal_data")
+            return ()
+        items = media_items(ids, self.prompt_images(data), self.media.vision, cache_salt)
+        longest = self.config.max_num_batched_tokens
+        if items and items[0].length > longest:
+            raise ValueError(f"multi_modal_data: an image takes {items[0].length} tokens, more than "
+                             f"max_num_batched_tokens ({longest}), and is computed in one step")
+        return items
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -385,6 +441,9 @@ class LLMEngine:
         if request_id in self._user_requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, segments = self.tokenize_request(prompt)
+        media = self.prompt_media(prompt, ids, cache_salt)
+        if media and segments:
+            raise ValueError("segment_spans: segment reuse with images is not supported")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              f"which leaves no room for output")
@@ -395,7 +454,7 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiled (and cached) now: a bad schema is a ValueError
             self.matchers.compiler.matcher(params.structured_outputs)
         req = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
-                      cache_salt=cache_salt, max_model_len=self.max_model_len, segments=segments)
+                      cache_salt=cache_salt, max_model_len=self.max_model_len, segments=segments, media=media)
         ureq = _UserRequest(request_id, text, ids, params, time.monotonic())
         if params.prompt_logprobs is not None:
             ureq.prompt_logprobs = [None] * len(ids)
@@ -729,6 +788,8 @@ class LLMEngine:
             s["tiers"] = self.tiers.usage()
         if self._adopter.used:
             s.update(self._adopter.stats())
+        if self.media is not None:
+            s["encoder"] = self.runner.encoder_cache.stats()
         if self.speculative is not None:
             s["speculative"] = {"method": self.speculative.method,
                                 "num_speculative_tokens": self.speculative.num_speculative_tokens,

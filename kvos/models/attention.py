@@ -23,6 +23,9 @@ class AttentionMetadata:
     loops (empty inside a CUDA graph, whose steps are decode-only).
     ``prefill_start_loc`` (int32, ``num_prefills + 1``): offsets of each prefill's rows counted
     from the first prefill row; ``max_prefill_len`` the longest prefill chunk.
+    ``bidirectional`` (or None): per prefill chunk, in order, position spans ``[s, e)`` (an
+    image's tokens, Gemma 3) whose queries also attend to the later keys of their own span; a
+    chunk holds every position of a span it computes any of past the span's cached part.
     """
 
     slot_mapping: torch.Tensor
@@ -34,6 +37,7 @@ class AttentionMetadata:
     block_size: int
     prefill_start_loc: torch.Tensor | None = None
     max_prefill_len: int = 0
+    bidirectional: list[list[tuple[int, int]]] | None = None
 
 
 class KVCache(NamedTuple):
@@ -67,4 +71,5 @@ class AttentionBackend(ABC):
         """q: [T, H, D]; k, v: [T, KVH, D]; cache: the layer's paged K/V (quantized on write
         when it has scales; attention then reads the dequantized values, its own new tokens'
         included). A query at position p attends keys at positions ``p - window < j <= p`` (all
-        ``j <= p`` without a window). Returns [T, H, D]."""
+        ``j <= p`` without a window), and every ``j > p`` of a ``meta.bidirectional`` span
+        holding p. Returns [T, H, D]."""

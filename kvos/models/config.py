@@ -48,6 +48,40 @@ class MambaShape:
         """Inputs the causal convolution keeps between steps."""
         return self.conv_kernel - 1
 
+@dataclass(frozen=True)
+class VisionShape:
+    """A vision-language model's image side: a SigLIP encoder (``hidden``, ``layers``, ``heads``,
+    square ``image_size`` images cut into ``patch_size`` patches) and a projector that pools its
+    patches to ``tokens_per_image`` soft tokens of the text model's width. The prompt holds
+    ``tokens_per_image`` copies of ``image_token_id`` per image, between ``boi_token_id`` and
+    ``eoi_token_id``; ``bidirectional``: the text layers' attention among one image's tokens is
+    not causal (Gemma 3)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    image_size: int
+    patch_size: int
+    tokens_per_image: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    layer_norm_eps: float = 1e-6
+    bidirectional: bool = True
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+GEMMA3_VISION_DEFAULTS = {
+    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "image_size": 896, "patch_size": 14, "layer_norm_eps": 1e-6,
+}
+"""transformers' SigLIP defaults as Gemma 3 uses them (so400m, 896 px, 14 px patches)."""
+
+
 GEMMA3_DEFAULTS = {
     "vocab_size": 262208, "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
@@ -107,6 +141,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     shared_intermediate_size: int = 0
     """Granite 4.0-H: the shared MLP's width; the experts' is ``intermediate_size``."""
+    vision: VisionShape | None = None
+    """A vision-language model's encoder and image tokens (``kvos.models.siglip``), else None."""
 
     @property
     def attn_scale(self) -> float:
@@ -159,7 +195,7 @@ class ModelConfig:
     @classmethod
     def _gemma3_from_hf(cls, cfg: dict, name: str) -> ModelConfig:
         """Gemma 3's text model: ``Gemma3ForCausalLM`` / ``gemma3_text`` fields at the top level, or
-        ``Gemma3ForConditionalGeneration``'s ``text_config`` (the vision tower is not loaded).
+        ``Gemma3ForConditionalGeneration``'s ``text_config`` with its ``vision_config`` (``vision``).
         Missing fields take transformers' defaults; both the legacy rope fields (``rope_theta``,
         ``rope_local_base_freq``, ``rope_scaling`` for the full layers) and transformers 5's
         per-layer-type ``rope_parameters`` are read."""
@@ -209,7 +245,31 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=t.get("bos_token_id"), name=name, sliding_window=t["sliding_window"] or None,
             layer_types=list(layer_types), rope_local_theta=float(local_theta),
-            query_pre_attn_scalar=t["query_pre_attn_scalar"])
+            query_pre_attn_scalar=t["query_pre_attn_scalar"], vision=cls._gemma3_vision(cfg))
+
+    @staticmethod
+    def _gemma3_vision(cfg: dict) -> VisionShape | None:
+        """``Gemma3ForConditionalGeneration``'s SigLIP tower and image tokens (transformers'
+        defaults where config.json leaves them out), or None for a text-only config."""
+        if "vision_config" not in cfg:
+            return None
+        v = {**GEMMA3_VISION_DEFAULTS, **{k: x for k, x in (cfg["vision_config"] or {}).items() if x is not None}}
+        if v.get("vision_use_head"):
+            raise ValueError("model: a SigLIP tower with vision_use_head is not supported")
+        act = v.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"model: vision activation {act!r} is not supported (gelu_pytorch_tanh)")
+        tokens = int(cfg.get("mm_tokens_per_image", 256))
+        side, per_side = int(round(tokens ** 0.5)), v["image_size"] // v["patch_size"]
+        if side * side != tokens or per_side % side:
+            raise ValueError(f"model: mm_tokens_per_image={tokens} must be a square whose side divides the "
+                             f"{per_side} patches per side")
+        return VisionShape(
+            hidden=v["hidden_size"], intermediate=v["intermediate_size"], layers=v["num_hidden_layers"],
+            heads=v["num_attention_heads"], image_size=v["image_size"], patch_size=v["patch_size"],
+            tokens_per_image=tokens, image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
+            boi_token_id=int(cfg.get("boi_token_index", 255999)), eoi_token_id=int(cfg.get("eoi_token_index", 256000)),
+            layer_norm_eps=float(v["layer_norm_eps"]))
 
     @classmethod
     def _hybrid_from_hf(cls, arch: str, cfg: dict, name: str) -> ModelConfig:

@@ -129,13 +129,21 @@ class Gemma3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache],
                 metas: Sequence[AttentionMetadata], backend: AttentionBackend,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None,
+                media_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Layer i writes and reads ``kv_caches[i]`` (its K and V, each ``[num_blocks,
         block_size, kv_heads, head_dim]``) through the block tables of ``metas[i]``.
-        ``num_layers``: run only the first layers, then the final norm (a self-draft's early exit)."""
+        ``num_layers``: run only the first layers, then the final norm (a self-draft's early exit).
+        ``media_embeds`` (rows, values ``[rows, hidden]``): those input rows take the given
+        embeddings (an image's soft tokens) in place of their token's scaled embedding."""
+        if media_embeds is not None:  # an image token id may lie past the text vocabulary (HF: pad id 0)
+            input_ids = input_ids.masked_fill(input_ids >= self.cfg.vocab_size, 0)
         x = self.embed_tokens(input_ids)
         # HF: the float32 scalar sqrt(hidden) rounded to the model dtype, the product in that dtype
         x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
+        if media_embeds is not None:
+            rows, values = media_embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         residual = None
         for i, layer in enumerate(self.layers[:num_layers] if num_layers is not None else self.layers):
             rope = self.rope_local if layer.self_attn.sliding else self.rope_global

@@ -89,6 +89,9 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     if cfg.mamba is not None or cfg.num_experts:
         raise ValueError(f"tensor_parallel_size {size}: models with Mamba layers or experts ({cfg.name or cfg.arch}) "
                          f"run on one device")
+    if cfg.vision is not None:
+        raise ValueError(f"tensor_parallel_size {size}: vision-language models ({cfg.name or cfg.arch}) run on "
+                         f"one device")
     if cfg.num_heads % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the model's {cfg.num_heads} attention heads")
     kv = cfg.num_kv_heads

@@ -3,6 +3,7 @@ runner reads. Call on the engine thread right after ``Scheduler.schedule``, befo
 output is applied."""
 from __future__ import annotations
 
+from kvos.core.media import media_overlapping
 from kvos.core.step import SampleTarget, StepDescription, StepSeq
 from kvos.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -37,7 +38,7 @@ def _seq(s: ScheduledSeq) -> StepSeq:
     tokens = req.all_token_ids[s.start: end - len(drafts)] + drafts if drafts else req.all_token_ids[s.start: end]
     return StepSeq(req.request_id, s.start, s.num_new_tokens, tokens,
                    [[b.block_id for b in t] for t in s.tables], [_target(r) for r in s.samplers], plp,
-                   list(drafts))
+                   list(drafts), media_overlapping(req.media, s.start, end) if req.media else [])
 
 
 def _earlier(s: ScheduledSeq) -> list[StepSeq]:

@@ -9,6 +9,7 @@ from typing import Protocol
 from kvos.cache.block import KVBlock
 from kvos.cache.kv_manager import KVCacheManager
 from kvos.core.load import EngineLoad
+from kvos.core.media import media_chunk_end
 from kvos.core.request import Request, RequestStatus
 from kvos.core.step import SegmentCopy
 from kvos.scheduler.policies import VICTIM_ORDERS, WAITING_POLICIES
@@ -406,6 +407,8 @@ class Scheduler:
         end). Without pending reuse spans: no ranges, one plain chunk."""
         if not req.reuse_spans:
             n = min(req.num_tokens - pos, budget)
+            if req.media:
+                n = media_chunk_end(req.media, pos, pos + n) - pos
             return NO_RANGES, 0, n, n
         ranges, spans = SegmentReuse.chunk(req, pos, budget)
         start, n = ranges[-1]

@@ -19,9 +19,15 @@ from pydantic import ValidationError
 import kvos
 from kvos.cache.pins import PinInfo
 from kvos.core.sampling_params import SamplingParams
-from kvos.engine.chat import chat_prompt_ids, has_chat_template, message_spans
+from kvos.engine.chat import (
+    chat_prompt_ids,
+    has_chat_template,
+    message_spans,
+    split_image_parts,
+)
 from kvos.engine.client import EngineClient, EngineStopped, RequestStream
 from kvos.engine.llm_engine import encode_segments
+from kvos.engine.media import expand_image_text
 from kvos.serve.admin import add_admin_routes
 from kvos.serve.chat_tools import ChatTools
 from kvos.serve.errors import APIError, clip, error_response, install_error_handlers
@@ -278,9 +284,17 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         tools = ChatTools.of(body, state.tokenizer, state.tool_call_parser)
         messages, template_tools = tools.prompt(messages)
         state.check_fits(_user_text(messages), "messages")
+        messages, images = split_image_parts(messages)
+        media = state.require_media(images)
         with state.tokenizing(body.n):
-            ids, spans = await state.tokenizers.run(lambda tok: _chat_ids_and_spans(
-                tok, messages, template_tools, state.segment_reuse))
+            if images:  # decoded and preprocessed on a worker thread, each error naming its part
+                prepared = await state.tokenizers.run(lambda tok: [media.prepare(src, where) for where, src in images])
+                ids = await state.tokenizers.run(lambda tok: chat_prompt_ids(
+                    tok, messages, tools=template_tools, expand=lambda text: expand_image_text(text, tok, media.vision)))
+                spans = ()
+            else:
+                ids, spans = await state.tokenizers.run(lambda tok: _chat_ids_and_spans(
+                    tok, messages, template_tools, state.segment_reuse))
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens", "messages")
         top_n = body.top_logprobs or 0
@@ -291,7 +305,10 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
                                     f"{params.structured_outputs.field_name}", param="tool_choice")
             params.structured_outputs = tools.grammar()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _submit_all(state, [{"prompt_token_ids": ids, "segment_spans": spans}], params, rid,
+        prompt = {"prompt_token_ids": ids, "segment_spans": spans}
+        if images:
+            prompt["multi_modal_data"] = {"image": prepared}
+        streams = await _submit_all(state, [prompt], params, rid,
                                     body.priority,
                                     _salt(request, body.cache_salt), bool(body.stream))
         with_ids = _returns_token_ids(state, body)
@@ -419,7 +436,7 @@ def _messages(messages) -> list[dict]:
     a 400 naming the message's field, before any tokenizer sees it."""
     out = []
     for i, m in enumerate(messages):
-        msg = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+        msg = {"role": m.role, "content": m.parts() or m.text(), **({"name": m.name} if m.name is not None else {})}
         if m.tool_calls:
             msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
@@ -461,7 +478,9 @@ def _tokenize_json(ids: list[int], max_model_len: int, token_strs: list[str] | N
 def _user_text(messages: list[dict]) -> str:
     """The text of the user messages: chat templates render each of them whole, so a chat prompt
     is at least as long (other roles' text may be dropped, e.g. earlier reasoning)."""
-    return "".join(m["content"] for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str))
+    return "".join(m["content"] if isinstance(m.get("content"), str) else
+                   "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+                   for m in messages if m.get("role") == "user" and isinstance(m.get("content"), (str, list)))
 
 
 async def _segmented(state: ServerState, prompt: dict) -> dict:

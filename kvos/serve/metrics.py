@@ -96,6 +96,9 @@ class _EngineCollector(Collector):
             for t in tiers:
                 fam.add_metric([t["name"]], t[key])
             yield fam
+        encoder = s.get("encoder")
+        if encoder is not None:
+            yield from _encoder_families(encoder)
         spec = s.get("speculative")
         if spec is not None:
             yield from _spec_families(spec)
@@ -103,6 +106,20 @@ class _EngineCollector(Collector):
         router = s.get("router")
         if router is not None:
             yield from _router_families(router)
+
+
+def _encoder_families(e: dict) -> Iterator:
+    """A vision-language model's image encoder and its cache of encodings."""
+    yield CounterMetricFamily("kvos:encoder_runs", "Images run through the encoder (cache misses).",
+                              value=e["encoder_runs"])
+    yield CounterMetricFamily("kvos:encoder_cache_hits", "Images whose encoding came from the encoder cache.",
+                              value=e["encoder_cache_hits"])
+    yield CounterMetricFamily("kvos:encoder_cache_evictions", "Encodings evicted to make room.",
+                              value=e["encoder_cache_evictions"])
+    yield GaugeMetricFamily("kvos:encoder_cache_bytes", "Device bytes held by cached encodings.",
+                            value=e["encoder_cache_bytes"])
+    yield GaugeMetricFamily("kvos:encoder_cache_capacity_bytes", "The encoder cache's size (--encoder-cache-mb).",
+                            value=e["encoder_cache_capacity_bytes"])
 
 
 def _spec_families(spec: dict) -> Iterator:

@@ -240,6 +240,21 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = STRICT
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(BaseModel):
+    """An image in a chat message (OpenAI's shape): a ``data:image/...;base64,`` URL, or an
+    http(s) URL where the server allows them (``--allow-remote-images``)."""
+
+    model_config = STRICT
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ToolCallFunction(BaseModel):
     model_config = STRICT
     name: str
@@ -258,7 +273,7 @@ class ToolCallItem(BaseModel):
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallItem] | None = None
@@ -273,8 +288,15 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
+
+    def parts(self) -> list[dict] | None:
+        """The content as parts when it holds an image (``kvos.engine.chat.split_image_parts``
+        takes them), else None (the text alone is the content)."""
+        if not isinstance(self.content, list) or all(isinstance(p, TextPart) for p in self.content):
+            return None
+        return [p.model_dump(exclude_none=True) for p in self.content]
 
 
 class ChatCompletionRequest(_Common):

@@ -9,6 +9,7 @@ import time
 
 import kvos
 from kvos.engine.client import EngineClient
+from kvos.engine.media import ImagePreparer, MediaLimits
 from kvos.serve.errors import APIError
 from kvos.serve.limits import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -45,6 +46,7 @@ class ServerState:
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.tool_call_parser: str | None = None
         """How tool calls are read from replies (``--tool-call-parser``); None: from the template."""
+        self.media: ImagePreparer | None = None  # made on the first request with an image
         self.ready = False
         self.draining = False
         self.created = int(time.time())
@@ -55,6 +57,23 @@ class ServerState:
         self.vocab_size: int = facts.vocab_size
         self.default_sampling: dict = dict(facts.default_sampling)
         self.fingerprint = system_fingerprint(kvos.__version__, facts.model_id, facts.dtype, facts.device)
+
+    def require_media(self, images: list) -> ImagePreparer | None:
+        """The image preparer when a chat holds ``images``: 400 naming ``messages`` when the model
+        takes none, or naming the part past ``--limit-images-per-prompt``."""
+        if not images:
+            return None
+        facts = self.engine.model_facts
+        if facts.vision is None:
+            raise APIError(400, "messages: this model takes no images", param="messages")
+        if self.media is None:
+            self.media = ImagePreparer(facts.vision, facts.media_folder, facts.media_limits or MediaLimits())
+        limit = self.media.limits.max_images
+        if len(images) > limit:
+            where = images[limit][0]
+            raise APIError(400, f"{where}: at most {limit} images per prompt (--limit-images-per-prompt)",
+                           param=where)
+        return self.media
 
     def require_tokenizer(self, param: str) -> None:
         """400 naming ``param`` when this server has no tokenizer (``--skip-tokenizer-init``, or a

@@ -21,6 +21,7 @@ from kvos.models.tensor_parallel import TPGroup, shard_plan
 from kvos.worker.block_digest import page_digests
 from kvos.worker.cuda_graphs import DecodeGraphs
 from kvos.worker.draft_model import DraftModel
+from kvos.worker.encoder_cache import EncoderCache
 from kvos.worker.host_copies import as_words, to_device
 from kvos.worker.sampler import (
     PendingPromptLogprobs,
@@ -142,6 +143,8 @@ class ModelRunner:
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
         """Called with (request ids, float32 logits rows) each step before sampling; a debugging
         and testing aid that must not modify the tensor."""
+        self.encoder_cache = EncoderCache(0)
+        """Image encodings by content key (a vision-language model); the engine sets its size."""
         self.hidden_hook: Callable[[list[tuple[str, int]], torch.Tensor], None] | None = None
         """Called after each forward pass with ((request id, position) per row, the final hidden
         states ``[rows, hidden]``): an aid for benchmarks (``kvos bench segments`` computes the
@@ -544,10 +547,14 @@ class ModelRunner:
             draft_s = self.draft.seconds - t0
         (input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets,
          plp, drafts) = self._prepare(step)
+        media = self._media_inputs(step, metas) if any(s.media for s in step.seqs) else None
         meta, g = metas[0], self.graphs
-        if g is not None and meta.num_decodes == len(meta.query_lens_list) and \
+        if g is not None and media is None and meta.num_decodes == len(meta.query_lens_list) and \
                 g.can_run(meta.num_decodes, tables.shape[2]):
             hidden = g.run(input_ids, positions, slots, tables, meta.seq_lens)
+        elif media is not None:
+            layer_metas = [metas[g] for g in self.layer_group]
+            hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend, media_embeds=media)
         else:
             layer_metas = [metas[g] for g in self.layer_group]
             hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
@@ -575,6 +582,35 @@ class ModelRunner:
         self._share_samples(pending)
         self._last_tokens, self._last_targets = pending.tokens, targets
         return LaunchedStep(targets, pending, pending_plp, verify, draft_s)
+
+    def _media_inputs(self, step: StepDescription, metas) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's image rows and their encodings (``EncoderCache``: encoded once per key),
+        in ``_prepare``'s row order; with a model whose image tokens attend both ways, each
+        prefill chunk's image spans go into its attention metadata."""
+        order = sorted(step.seqs, key=lambda s: s.num_new_tokens != 1)  # _prepare's row order
+        items = [m for s in order for m in s.media]
+        enc = self.encoder_cache.encodings(items, self._encode)
+        rows, values, spans = [], [], []
+        t = 0
+        for s in order:
+            end = s.start + s.num_new_tokens
+            for m in s.media:
+                lo, hi = max(m.offset, s.start), min(m.end, end)
+                rows.extend(range(t + lo - s.start, t + hi - s.start))
+                values.append(enc[m.key][lo - m.offset: hi - m.offset])
+            if s.num_new_tokens != 1:
+                spans.append([(m.offset, m.end) for m in s.media])
+            t += s.num_new_tokens
+        if getattr(self.model, "BIDIRECTIONAL_MEDIA", False) and any(spans):
+            for meta, state in zip(metas, self._is_state):
+                if not state:
+                    meta.bidirectional = spans
+        return torch.tensor(rows, dtype=torch.int64, device=self.device), torch.cat(values)
+
+    def _encode(self, items: list) -> torch.Tensor:
+        """Encode images (``MediaItem.data``: ``[3, S, S]`` float32 pixel arrays) in one batch."""
+        pixels = torch.from_numpy(np.stack([m.data for m in items])).to(self.device)
+        return self.model.encode_images(pixels)
 
     def _share_samples(self, pending: PendingSamples) -> None:
         """Tensor parallelism: send rank 0's sampled tokens to the other ranks, whose next step

@@ -44,8 +44,9 @@ class TorchReferenceBackend(AttentionBackend):
         t = nd
         for i in range(nd, len(meta.query_lens_list)):
             n, ctx = meta.query_lens_list[i], meta.seq_lens_list[i]
+            spans = meta.bidirectional[i - nd] if meta.bidirectional else None
             out[t : t + n] = self._prefill(q[t : t + n], cache, meta.block_tables[i], ctx,
-                                           meta.block_size, scale, window)
+                                           meta.block_size, scale, window, spans)
             t += n
         return out
 
@@ -93,13 +94,15 @@ class TorchReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _prefill(q, cache: KVCache, table, ctx: int, block_size: int, scale: float,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
         n = q.shape[0]
         nb = -(-ctx // block_size)
         kvh, d = cache.k.shape[2], cache.k.shape[3]
         keys = gather_kv(cache.k, cache.k_scale, table[:nb], q.dtype).reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
         values = gather_kv(cache.v, cache.v_scale, table[:nb], q.dtype).reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)
+        if spans:
+            return _prefill_with_spans(qh, keys, values, ctx, n, scale, window, spans)
         if window and window < ctx:
             qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             kpos = torch.arange(ctx, device=q.device)[None, :]
@@ -115,3 +118,25 @@ class TorchReferenceBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qh, keys, values,
                                                attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
+
+
+def span_mask(ctx: int, n: int, window: int | None, spans: list[tuple[int, int]],
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n, ctx]`` booleans: may the query at position ``ctx - n + i`` read the key at ``j``?
+    Causal (within ``window``), or both in one of ``spans`` (``[s, e)``; the window still bounds
+    how far back a key may be, as transformers' sliding mask over its bidirectional one)."""
+    qpos = torch.arange(ctx - n, ctx, device=device)[:, None]
+    kpos = torch.arange(ctx, device=device)[None, :]
+    mask = kpos <= qpos
+    for s, e in spans:
+        mask |= (qpos >= s) & (qpos < e) & (kpos >= s) & (kpos < e)
+    if window:
+        mask &= kpos > qpos - window
+    return mask
+
+
+def _prefill_with_spans(qh, keys, values, ctx: int, n: int, scale: float, window: int | None,
+                        spans: list[tuple[int, int]]) -> torch.Tensor:
+    mask = span_mask(ctx, n, window, spans, qh.device)
+    o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)

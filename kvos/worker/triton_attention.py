@@ -7,6 +7,7 @@ from kvos.kernels.cache_write import write_kv
 from kvos.kernels.decode_attention import paged_decode_attention
 from kvos.kernels.prefill_attention import paged_prefill_attention
 from kvos.models.attention import AttentionBackend, AttentionMetadata, KVCache
+from kvos.worker.torch_attention import TorchReferenceBackend
 
 
 class TritonBackend(AttentionBackend):
@@ -32,4 +33,12 @@ class TritonBackend(AttentionBackend):
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
                                     meta.seq_lens[nd:], meta.max_prefill_len, scale, out=out[nd:], window=window,
                                     k_scale=k_scale, v_scale=v_scale)
+            if meta.bidirectional:  # image spans (Gemma 3): those chunks again, with the torch reference's mask
+                starts = meta.prefill_start_loc.tolist()
+                for j, spans in enumerate(meta.bidirectional):
+                    if spans:
+                        i, a, b = nd + j, nd + starts[j], nd + starts[j + 1]
+                        out[a:b] = TorchReferenceBackend._prefill(
+                            q[a:b], cache, meta.block_tables[i], meta.seq_lens_list[i], meta.block_size, scale,
+                            window, spans)
         return out
