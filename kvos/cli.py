@@ -258,6 +258,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("segments", "segments", "segment reuse on a RAG-style set vs full prefill: agreement, logit error, perplexity, TTFT", False),
     ("state-cache", "state_cache", "a Mamba hybrid: decode and prefill vs roofline, multi-turn TTFT with state prefix caching", True),
     ("tensor-parallel", "tensor_parallel", "one engine over several GPUs: decode vs roofline with the all-reduce measured, throughput", True),
+    ("images", "images", "a vision-language model: encoder time vs roofline, TTFT with the encoder cache and image prefix hits", True),
     ("state-split", "state_split", "a Mamba hybrid's pool: requests held at once, elastic vs fixed state/KV splits", False),
 ]
 

@@ -329,6 +329,8 @@ class LLMEngine:
         if budget is None and self.runner.device.type == "cuda":
             budget = self.runner.profile_kv_budget(self.config.gpu_memory_utilization,
                                                    self.config.max_num_batched_tokens)
+            if self.media is not None:  # image encodings are kept beside the pool (EncoderCache)
+                budget = max(0, budget - self.runner.encoder_cache.capacity_bytes)
         return self.layout.num_pages_for_memory(budget or 2 << 30)
 
     # -- requests ------------------------------------------------------------------------

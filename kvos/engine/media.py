@@ -141,13 +141,17 @@ class ImagePreparer:
     def __init__(self, vision: VisionShape, folder: Path | None, limits: MediaLimits) -> None:
         self.vision = vision
         self.limits = limits
-        self._processor = _image_processor(vision, folder)
+        self.folder = folder
+        self._processor = None  # built on the first image (a text-only run never imports it)
 
     def prepare(self, source, where: str) -> PreparedImage:
+        """``source`` decoded (``load_image``) and preprocessed; a ``PreparedImage`` as it is."""
         if isinstance(source, PreparedImage):
             return source
         img = load_image(source, where, self.limits)
         rgb = img.convert("RGB")
+        if self._processor is None:
+            self._processor = _image_processor(self.vision, self.folder)
         pixels = self._processor(images=[rgb], return_tensors="np")["pixel_values"][0]
         return PreparedImage(content_hash(rgb), np.ascontiguousarray(pixels, dtype=np.float32))
 

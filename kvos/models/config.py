@@ -74,6 +74,18 @@ class VisionShape:
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
+    @property
+    def prompt_tokens_per_image(self) -> int:
+        """What one image adds to a prompt as Gemma 3's processor writes it: a blank line, the
+        start token, ``tokens_per_image`` image tokens, the end token, a blank line."""
+        return self.tokens_per_image + 4
+
+    def num_params(self, text_hidden: int) -> int:
+        """The encoder's and the projector's weights (the planner counts them with the text model's)."""
+        h, i, n = self.hidden, self.intermediate, self.patches_per_side ** 2
+        layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h
+        return 3 * self.patch_size ** 2 * h + h + n * h + self.layers * layer + 2 * h + h + h * text_hidden
+
 
 GEMMA3_VISION_DEFAULTS = {
     "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,

@@ -91,5 +91,5 @@ class Gemma3Projector(nn.Module):
         n, _, h = patches.shape
         grid = patches.transpose(1, 2).reshape(n, h, self.side, self.side)
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
-        normed = self.mm_soft_emb_norm(pooled.reshape(-1, h)).view(n, -1, h)
+        normed = self.mm_soft_emb_norm(pooled.reshape(-1, h).contiguous()).view(n, -1, h)
         return torch.matmul(normed, self.mm_input_projection_weight).to(patches.dtype)

@@ -6,7 +6,7 @@ import json
 
 from kvos.config.flags import add_engine_args
 
-PLAN_ENGINE_FIELDS = ("block_size", "gpu_memory_utilization", "kv_cache_memory_bytes")
+PLAN_ENGINE_FIELDS = ("block_size", "gpu_memory_utilization", "kv_cache_memory_bytes", "encoder_cache_mb")
 """The ``EngineConfig`` fields the plan takes (flags, defaults and help are ``EngineConfig``'s)."""
 
 EXAMPLES = """examples:
@@ -43,6 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="GPUs one engine is sharded over: weights and KV heads per GPU (KV heads replicated past their count)")
     p.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a speculative draft model (preset, config.json or .gguf): its weights and KV group count")
+    p.add_argument("--images-per-request", type=int, default=0,
+                   help="images in each request (a vision-language model): their tokens add to --context-len")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(p, PLAN_ENGINE_FIELDS, title="engine (the pool the plan sizes)")
 
@@ -65,7 +67,8 @@ def run(a: argparse.Namespace) -> int:
                     a.weight_dtype, a.kv_dtype, context, a.output_len, mean, a.num_requests,
                     a.gpu_memory_utilization, a.block_size, a.tensor_parallel,
                     kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                    draft=resolve_shape(a.draft_model) if a.draft_model else None)
+                    draft=resolve_shape(a.draft_model) if a.draft_model else None,
+                    images_per_request=a.images_per_request, encoder_cache_bytes=int(a.encoder_cache_mb * (1 << 20)))
     result = plan(inp)
     print(json.dumps(result, indent=2) if a.json else format_plan(result))
     return 0

@@ -35,8 +35,16 @@ class PlanInput:
     step_overhead_s: float = 0.0
     kv_cache_memory_bytes: int | None = None  # the KV pool's bytes, as the engine's option (default: estimated)
     draft: ModelShape | None = None  # a speculative draft model: its weights and its KV group count too
+    images_per_request: int = 0
+    """Images in each request: ``prompt_tokens_per_image`` each, added to ``context_len`` (a vision model only)."""
+    encoder_cache_bytes: int = 0
+    """The engine's encoder cache (``encoder_cache_mb``), out of the estimated KV budget."""
 
     def __post_init__(self) -> None:
+        if self.images_per_request and self.shape.vision is None:
+            raise ValueError(f"images_per_request: model {self.shape.name} takes no images")
+        if self.images_per_request < 0 or self.encoder_cache_bytes < 0:
+            raise ValueError("images_per_request and encoder_cache_bytes must be >= 0")
         if self.weight_dtype not in WEIGHT_BYTES:
             raise ValueError(f"weight_dtype must be one of {sorted(WEIGHT_BYTES)}, got {self.weight_dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
@@ -171,8 +179,9 @@ def kv_bytes_for_len(shape: ModelShape, per_layer: int, tokens: int, block_size:
 def plan(p: PlanInput) -> dict:
     s, g, tp = p.shape, p.gpu, p.tensor_parallel
     per_layer = kv_per_layer_token(s, p.kv_dtype, tp)
-    total_len = p.context_len + p.output_len
-    mean_len = int(round(p.mean_len)) if p.mean_len else total_len
+    image_tokens = p.images_per_request * s.vision.prompt_tokens_per_image if s.vision is not None else 0
+    total_len = p.context_len + p.output_len + image_tokens
+    mean_len = int(round(p.mean_len)) + image_tokens if p.mean_len else total_len
     weights = int(s.params * WEIGHT_BYTES[p.weight_dtype] / tp)
     d = p.draft
     draft_weights = int(d.params * WEIGHT_BYTES[p.weight_dtype] / tp) if d is not None else 0
@@ -181,7 +190,9 @@ def plan(p: PlanInput) -> dict:
     act = int(p.max_num_batched_tokens * (4 * s.hidden_size + 2 * s.intermediate_size // tp) * 2
               + 256 * s.vocab_size * 4 // tp)
     budget = int(g.memory_bytes * p.gpu_memory_utilization)
-    kv_memory = max(0, budget - weights - act) if p.kv_cache_memory_bytes is None else p.kv_cache_memory_bytes
+    encoder = p.encoder_cache_bytes if s.vision is not None else 0
+    kv_memory = (max(0, budget - weights - act - encoder) if p.kv_cache_memory_bytes is None
+                 else p.kv_cache_memory_bytes)
     state = s.state_bytes_per_request()
     per_req_exact = kv_bytes_for_len(s, per_layer, total_len, None) + draft_per_token * total_len + state
     contiguous_req = (per_layer * s.attention_layers + draft_per_token) * total_len + state  # Era 1: max length
@@ -238,6 +249,9 @@ def plan(p: PlanInput) -> dict:
         "decode_bound": "memory" if step_mem >= step_flops else "compute",
         "decode_tokens_per_s": batch / step,
     }
+    if s.vision is not None:
+        out.update(images_per_request=p.images_per_request, image_tokens_per_request=image_tokens,
+                   vision_params=s.vision.num_params(s.hidden_size), encoder_cache_bytes=encoder)
     if layouts is not None:
         out["kv_layouts"] = layouts
     if d is not None:
@@ -256,6 +270,10 @@ def format_plan(r: dict) -> str:
                        f"{', the draft included' if 'draft_model' in r else ''})"),
         ("KV per token", f"{r['kv_bytes_per_token']:,} B"),
     ]
+    if "vision_params" in r:
+        rows.insert(2, ("images", f"{r['images_per_request']} per request = {r['image_tokens_per_request']:,} tokens "
+                                  f"(in the context); encoder {r['vision_params'] / 1e6:,.0f} M parameters; encoder "
+                                  f"cache {gib(r['encoder_cache_bytes'])} out of the KV memory"))
     if "draft_model" in r:
         rows.insert(2, ("draft model", f"{r['draft_model']}: {gib(r['draft_weight_bytes'])} of weights, "
                                        f"{r['draft_kv_bytes_per_token']:,} B/token of KV (its own cache group)"))

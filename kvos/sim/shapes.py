@@ -5,7 +5,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvos.models.config import HYBRID_ARCHS, SUPPORTED_ARCHS, MambaShape, ModelConfig
+from kvos.models.config import (
+    HYBRID_ARCHS,
+    SUPPORTED_ARCHS,
+    MambaShape,
+    ModelConfig,
+    VisionShape,
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class ModelShape:
     num_experts: int = 0
     """A mixture of experts per layer (Granite 4.0-H) of ``expert_intermediate`` each, beside the MLP."""
     expert_intermediate: int = 0
+    vision: VisionShape | None = None
+    """A vision-language model's encoder (its weights count) and image tokens."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.sliding_layers <= self.num_layers:
@@ -94,9 +102,14 @@ class ModelShape:
             mixer = h * (m.intermediate + m.conv_dim + m.num_heads) + m.conv_dim * (m.conv_kernel + 1) \
                 + 3 * m.num_heads + m.intermediate * (h + 1)
         experts = self.num_experts * (3 * h * self.expert_intermediate + h)
+        vision = self.vision.num_params(h) if self.vision is not None else 0
         return embed + self.attention_layers * (attn + mlp) + len(self.mamba_layers) * (mixer + mlp) \
-            + self.num_layers * experts + h
+            + self.num_layers * experts + h + vision
 
+
+GEMMA3_SIGLIP = VisionShape(hidden=1152, intermediate=4304, layers=27, heads=16, image_size=896, patch_size=14,
+                            tokens_per_image=256, image_token_id=262144, boi_token_id=255999, eoi_token_id=256000)
+"""Gemma 3's vision tower (4B and larger): SigLIP so400m at 896 px, 256 tokens per image."""
 
 PRESETS: dict[str, ModelShape] = {s.name: s for s in [
     ModelShape("llama-3-70b", 80, 64, 8, 128, 8192, 28672, 128256),
@@ -109,9 +122,9 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
     ModelShape("gemma-3-270m", 18, 4, 1, 256, 640, 2048, 262144, tie_embeddings=True,
                sliding_window=512, sliding_layers=15),
     ModelShape("gemma-3-12b", 48, 16, 8, 256, 3840, 15360, 262208, tie_embeddings=True,
-               sliding_window=1024, sliding_layers=40),
+               sliding_window=1024, sliding_layers=40, vision=GEMMA3_SIGLIP),
     ModelShape("gemma-3-27b", 62, 32, 16, 128, 5376, 21504, 262208, tie_embeddings=True,
-               sliding_window=1024, sliding_layers=52),
+               sliding_window=1024, sliding_layers=52, vision=GEMMA3_SIGLIP),
     # transformers' BambaConfig defaults (its reference checkpoint: Bamba-9.8B), attention at 9, 18, 27
     ModelShape("bamba-9b", 32, 32, 8, 128, 4096, 14336, 128000, mamba=MambaShape(128, 64, 256, 1, 4),
                mamba_layers=tuple(i for i in range(32) if i not in (9, 18, 27))),
@@ -174,7 +187,7 @@ def _gemma3_shape(cfg: dict, name: str) -> ModelShape:
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, hidden_size=mc.hidden_size,
                       intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
                       tie_embeddings=mc.tie_word_embeddings, sliding_window=mc.sliding_window if sliding else None,
-                      sliding_layers=sliding, layer_types=types if sliding else None)
+                      sliding_layers=sliding, layer_types=types if sliding else None, vision=mc.vision)
 
 
 def shape_from_gguf(path: Path) -> ModelShape:

@@ -60,7 +60,7 @@ def hf_messages(messages):
 
 def chat(llm, messages, salt=None):
     logits = []
-    llm.engine.runner.logits_hook = lambda ids, rows: logits.extend(r.clone() for r in rows)
+    llm.engine.runner.logits_hook = lambda ids, rows: logits.extend(r.float().cpu() for r in rows)
     try:
         out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                        use_tqdm=False, cache_salt=salt)[0]
@@ -189,3 +189,25 @@ def test_text_prompt_with_multi_modal_data(vlm):
                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)[0]
     assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert out.outputs[0].token_ids == ref.tolist()
+
+
+def test_planner_counts_the_encoder_and_each_images_tokens(vlm):
+    """``kvos plan`` on the same folder: the encoder's parameters are the engine's (tower and
+    projector), and an image adds to a prompt what the engine's prompt holds for it, within one
+    token (the blank lines around an image may merge with the text beside them)."""
+    from kvos.sim.hardware import resolve_gpu
+    from kvos.sim.planner import PlanInput, plan
+    from kvos.sim.shapes import resolve_shape
+
+    llm = LLM(model=str(vlm[0]), block_size=BLOCK, kv_cache_memory_bytes=8 << 20)
+    model = llm.engine.runner.model
+    encoder = sum(p.numel() for m in (model.vision_tower, model.multi_modal_projector) for p in m.parameters())
+    shape = resolve_shape(str(vlm[0]))
+    r = plan(PlanInput(shape, resolve_gpu("H200"), context_len=100, images_per_request=2))
+    assert r["vision_params"] == encoder
+    text = llm.chat_token_ids([user("describe the image in one word.", "what is in this picture?")])
+    with_images = llm.chat_token_ids([user("describe the image in one word.", img_part(image(0)),
+                                           "what is in this picture?", img_part(image(1)))])
+    assert abs(r["image_tokens_per_request"] - (len(with_images) - len(text))) <= 2
+    assert r["context_len"] == 100 + r["image_tokens_per_request"]
+    assert r["image_tokens_per_request"] == 2 * (IMAGE_TOKENS + 4)
