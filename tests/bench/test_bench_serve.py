@@ -11,7 +11,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("transport", ["", " --transport process"], ids=["in-process", "engine-process"])
+@pytest.mark.parametrize("transport", [" --transport process"], ids=["engine-process"])  # the in-process
+# transport is every other server test's
 def test_launch_compares_server_with_offline(transport, tmp_path):
     out = tmp_path / "serve.json"
     subprocess.run([sys.executable, "-m", "kvos.cli", "bench", "serve", "--launch",
