@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 from kvos.cache.block import BlockHash, KVBlock
 from kvos.cache.block_pool import BlockPool, LogicalClock
+from kvos.cache.encoder_pages import EncoderPages
 from kvos.cache.events import KVEventLog
 from kvos.cache.eviction import EvictionPolicy, HitProtectedLRUPolicy, make_policy
 from kvos.cache.full_attention import FullAttentionManager
@@ -55,7 +56,7 @@ class KVCacheManager:
         self.model_id = model_id
         self.counters = CacheCounters()
         self.pages = LargePagePool(num_blocks, page_quota)  # page_quota: a fixed split (comparisons only)
-        clock = LogicalClock()
+        clock = self.clock = LogicalClock()
         if isinstance(policy, EvictionPolicy) and len(layout.groups) > 1:
             raise ValueError("a policy instance serves one group; pass the policy's name for several groups")
         self.pools: list[BlockPool] = []
@@ -87,6 +88,8 @@ class KVCacheManager:
         self._borrowed: dict[str, list[ComputedBlocks]] = {}  # cached blocks a sequence reads, not owns
         self._events: KVEventLog | None = None
         self._event_listener: EventLogListener | None = None
+        self.encoder: EncoderPages | None = None
+        """Image encodings in pages of this pool (``attach_encoder``), else None."""
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -256,7 +259,8 @@ class KVCacheManager:
         needs = [m.num_new_blocks(seq, total, h) for m, h in zip(self.managers, hits)]
         revived = [sum(1 for b in h if b.ref_cnt == 0 and not b.is_null) for h in hits]
         if len(self.pools) == 1:
-            if needs[0] + revived[0] > self.pools[0].num_free_blocks():
+            pool = self.pools[0]
+            if needs[0] + revived[0] > pool.num_free_blocks() + self._encoder_reclaimable() * pool.per_page:
                 return False
         elif sum((n + r) * m.spec.page_bytes for n, r, m in zip(needs, revived, self.managers)) > self.free_bytes():
             return False
@@ -277,14 +281,28 @@ class KVCacheManager:
         self._tokens[seq.request_id] = total
         return True
 
+    def attach_encoder(self, slot_bytes: int, max_pages: int) -> EncoderPages:
+        """Keep image encodings in up to ``max_pages`` of this pool's large pages, cut into slots
+        of ``slot_bytes`` (a divisor of the large page), as a group after the KV groups."""
+        page = self.layout.large_page_bytes
+        if slot_bytes < 1 or page % slot_bytes:
+            raise ValueError(f"encoder slots of {slot_bytes} B must divide the {page} B pages")
+        self.encoder = EncoderPages(self.pages, len(self.pools), slot_bytes, page // slot_bytes, self.clock,
+                                    max_pages, reclaim=lambda: self.reclaim(0))
+        return self.encoder
+
     def reclaim(self, group: int) -> bool:
-        """Evict the least recently used cached block of any group (balanced eviction across
-        groups). Evicting a full-attention block also evicts the same content in sliding groups
-        (aligned: a sliding block past a lost full-attention block can never be hit)."""
+        """Evict the least recently used cached content of any group (balanced eviction across
+        groups): a KV block, or an image encoding. Evicting a full-attention block also evicts
+        the same content in sliding groups (aligned: a sliding block past a lost full-attention
+        block can never be hit)."""
         best: BlockPool | None = None
         for pool in self.pools:
             if len(pool.evictor) and (best is None or pool.evictor.peek().last_used < best.evictor.peek().last_used):
                 best = pool
+        enc = self.encoder.oldest() if self.encoder is not None else None
+        if enc is not None and (best is None or enc < best.evictor.peek().last_used):
+            return self.encoder.evict_oldest()
         if best is None:  # only blocks that waiting requests will hit are left
             return self.pools[group].evict_held() or any(pool.evict_held() for pool in self.pools)
         block = best.evictor.pop()
@@ -326,10 +344,13 @@ class KVCacheManager:
 
     def free_bytes(self) -> int:
         """Bytes that allocation could use now: free large pages plus every group's plain free
-        and evictable blocks."""
-        return (self.pages.num_free() * self.layout.large_page_bytes
+        and evictable blocks, and the pages image encodings would give back."""
+        return ((self.pages.num_free() + self._encoder_reclaimable()) * self.layout.large_page_bytes
                 + sum((len(p.plain_free) + p.num_evictable()) * m.spec.page_bytes
                       for p, m in zip(self.pools, self.managers)))
+
+    def _encoder_reclaimable(self) -> int:
+        return self.encoder.reclaimable_pages() if self.encoder is not None else 0
 
     def cache_blocks(self, seq: CacheableSequence, num_tokens: int | None = None) -> None:
         """After a step ran: make ``seq``'s newly computed full blocks hittable (those among
@@ -410,10 +431,12 @@ class KVCacheManager:
     # -- observability -------------------------------------------------------------------
     def usage(self) -> CacheUsage:
         """The pool in large pages (blocks, for a single group): ``used`` pages hold a
-        referenced block, ``cached`` pages only cached content, ``free`` pages nothing."""
+        referenced block, ``cached`` pages only cached content (image encodings included),
+        ``free`` pages nothing."""
+        encodings = self.encoder.num_pages if self.encoder is not None else 0
         if len(self.pools) == 1 and self.pools[0].per_page == 1:
             pool = self.pools[0]
-            cached = pool.num_evictable()
+            cached = pool.num_evictable() + encodings
             total, free = self.pages.num_usable, self.pages.num_free()
             return CacheUsage(total=total, free=free, cached=cached, used=total - free - cached)
         referenced: set[int] = set()
@@ -426,7 +449,8 @@ class KVCacheManager:
                     if any(b.ref_cnt > 0 for b in pool.blocks[first: first + pool.per_page]):
                         referenced.add(page)
         total, free = self.pages.num_usable, self.pages.num_free()
-        return CacheUsage(total=total, free=free, cached=len(owned) - len(referenced), used=len(referenced))
+        return CacheUsage(total=total, free=free, cached=len(owned) - len(referenced) + encodings,
+                          used=len(referenced))
 
     def group_usage(self) -> list[CacheUsage]:
         """Each group's blocks in the large pages it holds."""
@@ -498,4 +522,5 @@ class KVCacheManager:
         return {"block_size": self.block_size, "page_bytes": self.layout.large_page_bytes,
                 **self.usage().as_dict(), **self.counters.as_dict(), "kv_layout": self.layout.mode,
                 "groups": [{**d, **u.as_dict()} for d, u in zip(self.layout.describe(), self.group_usage())],
-                "memory": self.memory_breakdown()}
+                "memory": self.memory_breakdown(),
+                **({"encoder": self.encoder.stats()} if self.encoder is not None else {})}

@@ -147,8 +147,9 @@ class EngineConfig:
         "help": "shard each layer over this many devices (GPUs cuda:0.., NCCL; on the CPU, processes with gloo): "
                 "attention heads, MLP columns and the vocabulary split, KV heads too"})
     encoder_cache_mb: float = field(default=256.0, metadata={
-        "group": IMAGES, "help": "device memory for image encodings kept by content (a later request with the same "
-                                 "image skips the encoder, even when its KV was evicted); 0: none kept"})
+        "group": IMAGES, "help": "most of the KV pool's memory that image encodings may hold (kept by content, so a "
+                                 "later request with the same image skips the encoder even when its KV was "
+                                 "evicted; encodings and KV trade pages); 0: none kept"})
     limit_images_per_prompt: int = field(default=8, metadata={
         "group": IMAGES, "help": "most images one prompt may hold"})
     max_image_pixels: int = field(default=40_000_000, metadata={

@@ -76,6 +76,10 @@ class StepDescription:
     finished_ids: list[str]
     """Requests that ended since the last step (the runner drops their generators)."""
     segment_copies: list[SegmentCopy] = field(default_factory=list)
+    encodings: dict[str, tuple[bool, list[int]]] = field(default_factory=dict)
+    """Image key -> (cached, slots of the pool's encoder group): a cached encoding is read from
+    its slots, a new one written to them after it is encoded (no slots: not kept). An image of
+    the step without an entry is encoded and not kept."""
 
     @property
     def is_empty(self) -> bool:

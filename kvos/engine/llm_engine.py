@@ -48,7 +48,7 @@ from kvos.models.loader import (
     resolve_model_path,
 )
 from kvos.scheduler.connector import KVConnectorScheduler
-from kvos.scheduler.describe import describe_step
+from kvos.scheduler.describe import describe_step, plan_encodings
 from kvos.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvos.spec.backoff import DraftBackoff
 from kvos.spec.config import SpeculativeConfig
@@ -58,7 +58,6 @@ from kvos.structured.grammars import GrammarCompiler
 from kvos.structured.matchers import SequenceMatchers
 from kvos.worker.device import resolve_device
 from kvos.worker.draft_model import DraftModel
-from kvos.worker.encoder_cache import EncoderCache
 from kvos.worker.parallel_runner import ParallelRunner
 from kvos.worker.runner import LaunchedStep, ModelRunner, parse_dtype
 
@@ -188,7 +187,6 @@ class LLMEngine:
             self.media = ImagePreparer(mc.vision, path if path.is_dir() else None, MediaLimits(
                 max_images=config.limit_images_per_prompt, max_pixels=config.max_image_pixels,
                 allow_remote=config.allow_remote_images, allow_files=True))
-            self.runner.encoder_cache = EncoderCache(int(config.encoder_cache_mb * (1 << 20)))
         if self.tokenizer is not None and len(self.tokenizer) > mc.vocab_size:
             raise ValueError(f"tokenizer: {len(self.tokenizer)} tokens do not fit the model's vocabulary of "
                              f"{mc.vocab_size}")
@@ -225,6 +223,14 @@ class LLMEngine:
             model_id += "|draft=" + model_fingerprint(draft_path, self.kv_cache_dtype, config.random_weights)
         self.kv = KVCacheManager(self.layout, num_blocks, model_id=model_id,
                                  enable_caching=config.enable_prefix_caching, policy=config.eviction_policy)
+        if self.media is not None and config.encoder_cache_mb > 0:  # encodings in the pool's pages
+            page = self.layout.large_page_bytes
+            slot = min(g.spec.page_bytes for g in self.layout.groups)
+            self.kv.attach_encoder(slot, max(1, int(config.encoder_cache_mb * (1 << 20)) // page))
+            self.runner.encoder_slot_bytes = slot
+        self._encoding_bytes = (mc.vision.tokens_per_image * mc.hidden_size * dtype.itemsize
+                                if mc.vision is not None else 0)
+        """Bytes of one image's encoding (the projector's output in the model's dtype)."""
         self.kv_events = (self.kv.enable_events(f"{socket.gethostname()}:{os.getpid()}") if config.kv_events
                           else None)
         self.runner.allocate_kv_cache(self.layout, num_blocks)
@@ -329,8 +335,6 @@ class LLMEngine:
         if budget is None and self.runner.device.type == "cuda":
             budget = self.runner.profile_kv_budget(self.config.gpu_memory_utilization,
                                                    self.config.max_num_batched_tokens)
-            if self.media is not None:  # image encodings are kept beside the pool (EncoderCache)
-                budget = max(0, budget - self.runner.encoder_cache.capacity_bytes)
         return self.layout.num_pages_for_memory(budget or 2 << 30)
 
     # -- requests ------------------------------------------------------------------------
@@ -660,6 +664,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         constrained = self._constrained_targets(out) if self._constrained else []
         step = describe_step(out)
+        if self.kv.encoder is not None and any(seq.media for seq in step.seqs):
+            step.encodings = plan_encodings(self.kv.encoder, step, self._encoding_bytes)
         launched = self.runner.launch(step, defer_sampling=True) if constrained else self.runner.launch(step)
         drained: list[RequestOutput] = []
         if constrained:
@@ -791,7 +797,10 @@ class LLMEngine:
         if self._adopter.used:
             s.update(self._adopter.stats())
         if self.media is not None:
-            s["encoder"] = self.runner.encoder_cache.stats()
+            cache = self.kv.encoder.stats() if self.kv.encoder is not None else {
+                "encoder_cache_hits": 0, "encoder_cache_evictions": 0, "encoder_cache_entries": 0,
+                "encoder_cache_bytes": 0, "encoder_cache_pages": 0, "encoder_cache_capacity_bytes": 0}
+            s["encoder"] = {"encoder_runs": self.runner.encoder_runs, **cache}
         if self.speculative is not None:
             s["speculative"] = {"method": self.speculative.method,
                                 "num_speculative_tokens": self.speculative.num_speculative_tokens,

@@ -38,7 +38,8 @@ class PlanInput:
     images_per_request: int = 0
     """Images in each request: ``prompt_tokens_per_image`` each, added to ``context_len`` (a vision model only)."""
     encoder_cache_bytes: int = 0
-    """The engine's encoder cache (``encoder_cache_mb``), out of the estimated KV budget."""
+    """The engine's encoder cache cap (``encoder_cache_mb``): pages of the KV pool that may hold
+    image encodings; the plan counts it full (the KV memory left when it is)."""
 
     def __post_init__(self) -> None:
         if self.images_per_request and self.shape.vision is None:
@@ -273,7 +274,7 @@ def format_plan(r: dict) -> str:
     if "vision_params" in r:
         rows.insert(2, ("images", f"{r['images_per_request']} per request = {r['image_tokens_per_request']:,} tokens "
                                   f"(in the context); encoder {r['vision_params'] / 1e6:,.0f} M parameters; encoder "
-                                  f"cache {gib(r['encoder_cache_bytes'])} out of the KV memory"))
+                                  f"cache up to {gib(r['encoder_cache_bytes'])} of the pool (counted full)"))
     if "draft_model" in r:
         rows.insert(2, ("draft model", f"{r['draft_model']}: {gib(r['draft_weight_bytes'])} of weights, "
                                        f"{r['draft_kv_bytes_per_token']:,} B/token of KV (its own cache group)"))

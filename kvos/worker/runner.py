@@ -21,7 +21,6 @@ from kvos.models.tensor_parallel import TPGroup, shard_plan
 from kvos.worker.block_digest import page_digests
 from kvos.worker.cuda_graphs import DecodeGraphs
 from kvos.worker.draft_model import DraftModel
-from kvos.worker.encoder_cache import EncoderCache
 from kvos.worker.host_copies import as_words, to_device
 from kvos.worker.sampler import (
     PendingPromptLogprobs,
@@ -143,8 +142,10 @@ class ModelRunner:
         self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
         """Called with (request ids, float32 logits rows) each step before sampling; a debugging
         and testing aid that must not modify the tensor."""
-        self.encoder_cache = EncoderCache(0)
-        """Image encodings by content key (a vision-language model); the engine sets its size."""
+        self.encoder_slot_bytes = 0
+        """The pool's encoder slots' size (``EncoderPages``; set by the engine), 0: none."""
+        self.encoder_runs = 0
+        """Images run through the encoder."""
         self.hidden_hook: Callable[[list[tuple[str, int]], torch.Tensor], None] | None = None
         """Called after each forward pass with ((request id, position) per row, the final hidden
         states ``[rows, hidden]``): an aid for benchmarks (``kvos bench segments`` computes the
@@ -584,12 +585,11 @@ class ModelRunner:
         return LaunchedStep(targets, pending, pending_plp, verify, draft_s)
 
     def _media_inputs(self, step: StepDescription, metas) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's image rows and their encodings (``EncoderCache``: encoded once per key),
-        in ``_prepare``'s row order; with a model whose image tokens attend both ways, each
-        prefill chunk's image spans go into its attention metadata."""
+        """The step's image rows and their encodings, in ``_prepare``'s row order; with a model
+        whose image tokens attend both ways, each prefill chunk's image spans go into its
+        attention metadata."""
         order = sorted(step.seqs, key=lambda s: s.num_new_tokens != 1)  # _prepare's row order
-        items = [m for s in order for m in s.media]
-        enc = self.encoder_cache.encodings(items, self._encode)
+        enc = self._encodings(step, [m for s in order for m in s.media])
         rows, values, spans = [], [], []
         t = 0
         for s in order:
@@ -606,6 +606,49 @@ class ModelRunner:
                 if not state:
                     meta.bidirectional = spans
         return torch.tensor(rows, dtype=torch.int64, device=self.device), torch.cat(values)
+
+    def _encodings(self, step: StepDescription, items: list) -> dict[str, torch.Tensor]:
+        """Each image's encoding ``[tokens, hidden]``: read from the pool's encoder slots when
+        cached (``step.encodings``), else encoded (all of the step's new images in one batch)
+        and written to the slots reserved for it."""
+        out: dict[str, torch.Tensor] = {}
+        todo: dict[str, object] = {}
+        c = self.cfg
+        shape = (c.vision.tokens_per_image, c.hidden_size)
+        nbytes = shape[0] * shape[1] * self.dtype.itemsize
+        for m in items:
+            cached, slots = step.encodings.get(m.key, (False, []))
+            if m.key in out or m.key in todo:
+                continue
+            if cached:
+                out[m.key] = self._slot_bytes(slots).reshape(-1)[:nbytes].view(self.dtype).view(shape)
+            else:
+                if m.data is None:
+                    raise RuntimeError(f"image {m.key[:12]}: not cached and sent without its pixels")
+                todo[m.key] = m
+        if todo:
+            encoded = self._encode(list(todo.values()))
+            self.encoder_runs += len(todo)
+            for i, key in enumerate(todo):
+                out[key] = encoded[i]
+                slots = step.encodings.get(key, (False, []))[1]
+                if slots:
+                    raw = encoded[i].contiguous().view(-1).view(torch.uint8)
+                    dst = self._slot_bytes(slots)
+                    flat = torch.zeros(dst.numel(), dtype=torch.uint8, device=self.device)
+                    flat[: raw.numel()] = raw
+                    self._slot_view()[torch.tensor(slots, device=self.device)] = flat.view(dst.shape)
+        return out
+
+    def _slot_view(self) -> torch.Tensor:
+        """The pool buffer as ``uint8 [slots, encoder_slot_bytes]`` (page-major: slot i is bytes
+        ``[i * slot_bytes, (i + 1) * slot_bytes)``)."""
+        assert self.kv_buffer is not None and self.encoder_slot_bytes
+        return self.kv_buffer.view(-1, self.encoder_slot_bytes)
+
+    def _slot_bytes(self, slots: list[int]) -> torch.Tensor:
+        """A copy of ``slots``' bytes, ``[len(slots), slot_bytes]``, in order."""
+        return self._slot_view()[torch.tensor(slots, device=self.device)]
 
     def _encode(self, items: list) -> torch.Tensor:
         """Encode images (``MediaItem.data``: ``[3, S, S]`` float32 pixel arrays) in one batch."""

@@ -211,3 +211,23 @@ def test_planner_counts_the_encoder_and_each_images_tokens(vlm):
     assert abs(r["image_tokens_per_request"] - (len(with_images) - len(text))) <= 2
     assert r["context_len"] == 100 + r["image_tokens_per_request"]
     assert r["image_tokens_per_request"] == 2 * (IMAGE_TOKENS + 4)
+
+
+def test_encodings_and_kv_trade_the_pools_pages(vlm):
+    """Encodings live in pages of the KV pool: a prompt that needs the whole pool takes their
+    pages (evicted), and the image then runs through the encoder again, with the same answer."""
+    llm = LLM(model=str(vlm[0]), block_size=BLOCK, num_blocks=24, enable_prefix_caching=True)
+    a = image(8)
+    messages = [user(img_part(a), "what is in this picture?")]
+    check(vlm, llm, messages, [a])
+    assert encoder(llm)["encoder_cache_pages"] >= 1 and encoder(llm)["encoder_runs"] == 1
+    assert llm.stats()["used"] == 0  # an encoding is cached content, not a running request's
+    kv = llm.engine.kv
+    longest = kv.capacity_tokens(llm.engine.config.max_num_batched_tokens) - 1
+    text = torch.randint(10, 300, (longest,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = llm.generate({"prompt_token_ids": text}, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1  # it ran: every page was free or freed for it
+    assert encoder(llm)["encoder_cache_evictions"] == 1 and encoder(llm)["encoder_cache_pages"] == 0
+    llm.reset_prefix_cache()
+    check(vlm, llm, messages, [a])
+    assert encoder(llm)["encoder_runs"] == 2
