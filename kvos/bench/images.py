@@ -97,6 +97,8 @@ def encoder_timing(llm, batch: int, size: int, peak_flops: float | None) -> dict
     import numpy as np
     import torch
 
+    from kvos.sim.cost_model import encoder_flops
+
     eng = llm.engine
     v, model = eng.model_config.vision, eng.runner.model
     pixels = torch.from_numpy(np.stack([_image(i, size).pixels for i in range(batch)])).to(eng.runner.device)
@@ -110,9 +112,7 @@ def encoder_timing(llm, batch: int, size: int, peak_flops: float | None) -> dict
             sync()
             times.append(time.perf_counter() - t0)
     seconds = statistics.median(times[1:])
-    p, h, i = v.patches_per_side ** 2, v.hidden, v.intermediate
-    flops = batch * (2 * p * 3 * v.patch_size ** 2 * h + v.layers * (2 * p * (4 * h * h + 2 * h * i) + 4 * p * p * h)
-                     + 2 * v.tokens_per_image * h * eng.model_config.hidden_size)
+    flops = batch * encoder_flops(v, eng.model_config.hidden_size)
     row = {"batch": batch, "seconds": seconds, "ms_per_image": 1e3 * seconds / batch, "flops": flops}
     if peak_flops:
         row["roofline_s"] = flops / peak_flops

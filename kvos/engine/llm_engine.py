@@ -665,7 +665,8 @@ class LLMEngine:
         constrained = self._constrained_targets(out) if self._constrained else []
         step = describe_step(out)
         if self.kv.encoder is not None and any(seq.media for seq in step.seqs):
-            step.encodings = plan_encodings(self.kv.encoder, step, self._encoding_bytes)
+            step.encodings = plan_encodings(self.kv.encoder, (m for seq in step.seqs for m in seq.media),
+                                            self._encoding_bytes)
         launched = self.runner.launch(step, defer_sampling=True) if constrained else self.runner.launch(step)
         drained: list[RequestOutput] = []
         if constrained:

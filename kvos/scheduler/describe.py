@@ -3,8 +3,10 @@ runner reads. Call on the engine thread right after ``Scheduler.schedule``, befo
 output is applied."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvos.cache.encoder_pages import EncoderPages
-from kvos.core.media import media_overlapping
+from kvos.core.media import MediaItem, media_overlapping
 from kvos.core.step import SampleTarget, StepDescription, StepSeq
 from kvos.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -63,23 +65,23 @@ def describe_step(out: SchedulerOutput) -> StepDescription:
     return StepDescription(seqs, list(out.copies), list(out.finished_ids), list(out.segment_copies))
 
 
-def plan_encodings(cache: EncoderPages, step: StepDescription, nbytes: int) -> dict[str, tuple[bool, list[int]]]:
-    """Where each image of ``step`` reads or writes its encoding: key -> (cached, slots). A cached
-    one is read from its slots; a new one is encoded and written to the slots reserved for it
-    (none when the cache cannot hold it: encoded, not kept). Entries the step reads stay pinned
-    while later ones are reserved, so a reservation never evicts what this step reads."""
+def plan_encodings(cache: EncoderPages, media: Iterable[MediaItem], nbytes: int) -> dict[str, tuple[bool, list[int]]]:
+    """Where each image of a step (``media``: its sequences' items) reads or writes its encoding:
+    key -> (cached, slots). A cached one is read from its slots; a new one is encoded and written
+    to the slots reserved for it (none when the cache cannot hold it: encoded, not kept). Entries
+    the step reads stay pinned while later ones are reserved, so a reservation never evicts what
+    this step reads."""
     out: dict[str, tuple[bool, list[int]]] = {}
     try:
-        for seq in step.seqs:
-            for m in seq.media:
-                if m.key in out:
-                    continue
-                slots = cache.lookup(m.key)
-                if slots is not None:
-                    cache.pin(m.key)
-                    out[m.key] = (True, slots)
-                else:
-                    out[m.key] = (False, cache.reserve(m.key, nbytes) or [])
+        for m in media:
+            if m.key in out:
+                continue
+            slots = cache.lookup(m.key)
+            if slots is not None:
+                cache.pin(m.key)
+                out[m.key] = (True, slots)
+            else:
+                out[m.key] = (False, cache.reserve(m.key, nbytes) or [])
     finally:
         cache.unpin_all()
     return out

@@ -5,8 +5,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvos.models.config import VisionShape
 from kvos.sim.hardware import GPU, WEIGHT_BYTES, kv_bytes_per_token
 from kvos.sim.shapes import ModelShape
+
+
+def encoder_flops(v: VisionShape, text_hidden: int) -> float:
+    """One image through a SigLIP tower and the projector: patch embedding, each layer's
+    projections and MLP (2 FLOPs per weight per patch) and attention (4 x patches^2 x hidden)."""
+    p, h, i = v.patches_per_side ** 2, v.hidden, v.intermediate
+    return (2 * p * 3 * v.patch_size ** 2 * h + v.layers * (2 * p * (4 * h * h + 2 * h * i) + 4 * p * p * h)
+            + 2 * v.tokens_per_image * h * text_hidden)
 
 
 @dataclass
@@ -33,6 +42,10 @@ class CostModel:
     sliding_fraction: float = 0.0
     state_bytes_per_seq: float = 0.0
     """Mamba layers: each scheduled sequence reads and writes its whole state once per step."""
+    encoder_s_per_image: float = 0.0
+    """A vision model: one image through the encoder (its FLOPs at the GPU's peak, compute-scaled)."""
+    encoding_bytes: float = 0.0
+    """One image's encoding (tokens x hidden in 2-byte floats): what the encoder cache holds."""
 
     @classmethod
     def for_model(cls, shape: ModelShape, gpu: GPU, weight_dtype: str = "bf16", kv_dtype: str = "fp16",
@@ -45,7 +58,11 @@ class CostModel:
                    bandwidth=gpu.bandwidth, flops=gpu.flops,
                    sliding_window=shape.sliding_window if shape.sliding_layers else None,
                    sliding_fraction=shape.sliding_layers / shape.num_layers,
-                   state_bytes_per_seq=shape.state_bytes_per_request() / tp)
+                   state_bytes_per_seq=shape.state_bytes_per_request() / tp,
+                   encoder_s_per_image=(encoder_flops(shape.vision, shape.hidden_size) / gpu.flops
+                                        if shape.vision is not None else 0.0),
+                   encoding_bytes=(shape.vision.tokens_per_image * shape.hidden_size * 2
+                                   if shape.vision is not None else 0.0))
 
     def step_time(self, num_tokens: int, context_tokens: int, attn_pairs: int,
                   window_context: int | None = None, window_pairs: int | None = None, num_seqs: int = 0) -> float:

@@ -39,7 +39,8 @@ class PlanInput:
     """Images in each request: ``prompt_tokens_per_image`` each, added to ``context_len`` (a vision model only)."""
     encoder_cache_bytes: int = 0
     """The engine's encoder cache cap (``encoder_cache_mb``): pages of the KV pool that may hold
-    image encodings; the plan counts it full (the KV memory left when it is)."""
+    image encodings; with ``images_per_request``, the plan counts it full (the KV memory left
+    when it is)."""
 
     def __post_init__(self) -> None:
         if self.images_per_request and self.shape.vision is None:
@@ -191,7 +192,7 @@ def plan(p: PlanInput) -> dict:
     act = int(p.max_num_batched_tokens * (4 * s.hidden_size + 2 * s.intermediate_size // tp) * 2
               + 256 * s.vocab_size * 4 // tp)
     budget = int(g.memory_bytes * p.gpu_memory_utilization)
-    encoder = p.encoder_cache_bytes if s.vision is not None else 0
+    encoder = p.encoder_cache_bytes if s.vision is not None and p.images_per_request else 0
     kv_memory = (max(0, budget - weights - act - encoder) if p.kv_cache_memory_bytes is None
                  else p.kv_cache_memory_bytes)
     state = s.state_bytes_per_request()

@@ -18,7 +18,8 @@ from kvos.sim.tier import SimTierConfig
 
 SIM_ENGINE_FIELDS = ("block_size", "kv_layout", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                      "max_model_len", "scheduling_policy", "fairness_steps", "preemption_order", "eviction_policy",
-                     "eviction_lookahead", "segment_reuse", "segment_recompute", "mamba_cache_every")
+                     "eviction_lookahead", "segment_reuse", "segment_recompute", "mamba_cache_every",
+                     "encoder_cache_mb")
 """The ``EngineConfig`` fields that shape a simulated engine (flags, defaults and checks are
 ``EngineConfig``'s; the pool's size comes from --cache-blocks/--cache-tokens/--cache-gb)."""
 SIM_TIER_FIELDS = ("write_policy", "tier_lookahead")
@@ -34,6 +35,8 @@ EXAMPLES = """examples:
   kvos simulate --synthetic --rag --num-docs 20 --doc-len 1000 --docs-per-prompt 4 --input-len 32:64 \
                 --system-prompt-len 200 --segment-reuse --segment-recompute 0.15
   kvos simulate --synthetic --model gemma-3-27b --allocator contiguous --kv-layout homogeneous --max-model-len 4096
+  kvos simulate --synthetic --images --num-images 8 --model gemma-3-12b --gpu H200 --input-len 16:64 \
+      --encoder-cache-mb 0                      # image chats sharing 8 images, without the encoder cache
   kvos simulate --trace conversation_trace.jsonl --block-size 512 --limit 3000 \\
                 --sweep cache-size --sweep-policies lru fifo lfu belady --plot-dir plots/
   kvos simulate --synthetic --input-len 1024:4096 --model gemma-3-27b --kv-layout unified --cache-gb 20
@@ -70,6 +73,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--rag", action="store_true",
                    help="synthetic retrieval prompts: system prompt, --docs-per-prompt of --num-docs documents in "
                         "random order, a question (--input-len is the question's length); with --segment-reuse")
+    w.add_argument("--images", action="store_true",
+                   help="synthetic image chats: a text of its own (--input-len), one of --num-images images (a "
+                        "vision --model's tokens per image), a question (--question-len); with --synthetic")
+    w.add_argument("--num-images", type=int, default=8)
+    w.add_argument("--question-len", default="16:64", metavar="LO:HI")
     w.add_argument("--num-docs", type=int, default=20)
     w.add_argument("--doc-len", type=int, default=1000)
     w.add_argument("--docs-per-prompt", type=int, default=4)
@@ -137,6 +145,16 @@ def load_workload(a: argparse.Namespace):
                           a.seed)
     if a.rag:
         raise ValueError("rag: --rag generates a workload; give it with --synthetic")
+    if a.images:
+        from kvos.sim.shapes import resolve_shape
+
+        vision = resolve_shape(a.model).vision
+        if not a.synthetic or vision is None:
+            raise ValueError("images: --images generates a workload with --synthetic, for a vision --model "
+                             "(e.g. gemma-3-12b)")
+        return traces.images(a.num_requests, a.rate, a.num_images, vision.tokens_per_image,
+                             _range(a.input_len, "input_len"), _range(a.question_len, "question_len"),
+                             _range(a.output_len, "output_len"), a.seed)
     if a.synthetic:
         return traces.synthetic(a.num_requests, a.rate, _range(a.input_len, "input_len"),
                                 _range(a.output_len, "output_len"), a.system_prompt_len, a.num_system_prompts,
@@ -250,6 +268,9 @@ def format_report(r: dict) -> str:
                                  f"recomputed; {r['segment_fills']:,} segments filled alone; prefix hits "
                                  f"{r['prefix_hit_tokens']:,} tokens")]
               if "segment_hits" in r else []),
+            *([("images", f"{r['encoder_runs']:,} encoder runs ({r['encoder_seconds']:,.2f} s), "
+                          f"{r['encoder_cache_hits']:,} encoder-cache hits, {r['encoder_cache_evictions']:,} evicted")]
+              if "encoder_runs" in r else []),
             *([("group peak blocks", ", ".join(f"{b:,}" for b in r["group_peak_blocks"]))]
               if "group_peak_blocks" in r else []),
             ("simulated", f"{r['makespan_s']:,.1f} s in {r['steps']:,} steps; wall {r['sim_wall_s']:.1f} s")]

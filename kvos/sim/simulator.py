@@ -20,8 +20,10 @@ from kvos.cache.kv_manager import KVCacheManager
 from kvos.cache.layout import CacheLayout
 from kvos.cache.spec import FullAttentionSpec
 from kvos.config.engine import EngineConfig
+from kvos.core.media import MediaItem, media_overlapping
 from kvos.core.request import Request
 from kvos.core.sampling_params import SamplingParams
+from kvos.scheduler.describe import plan_encodings
 from kvos.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvos.sim.contiguous import ContiguousKVManager
 from kvos.sim.cost_model import CostModel
@@ -201,6 +203,19 @@ class EngineSim:
             self.scheduler.lower_tier_lookup = self.tier.lookup
             self.tier.demand = self._waiting_hashes
             self.kv.pool.add_listener(self.tier)  # write-through or write-back (the single group's pool)
+        self.cost = cost
+        self.encoding_bytes = 0
+        """An image's encoding in the pool's bytes (the abstract spec's scale for a model-less layout)."""
+        if any(r.images for r in trace) and cost.encoding_bytes and config.engine.encoder_cache_mb > 0 \
+                and config.allocator == "paged":
+            scale = spec.bytes_per_token / cost.kv_bytes_per_token if layout is None else 1.0
+            lay = self.kv.layout
+            page = lay.large_page_bytes
+            self.encoding_bytes = max(1, math.ceil(cost.encoding_bytes * scale))
+            self.kv.attach_encoder(min(g.spec.page_bytes for g in lay.groups),
+                                   max(1, int(config.engine.encoder_cache_mb * (1 << 20) * scale) // page))
+        self.encoder_runs = 0
+        self.encoder_seconds = 0.0
         self.capacity = self.kv.capacity_tokens(config.max_num_batched_tokens)
         self.clock = 0.0
         self.steps = 0
@@ -264,8 +279,10 @@ class EngineSim:
         if self.cfg.engine.segment_reuse and r.segments is not None:
             ends = list(itertools.accumulate(n for _, n in r.segments))
             spans = tuple((e - n, e) for (_, n), e in zip(r.segments, ends) if n)
+        media = tuple(MediaItem(off, n, f"image-{img}") for off, n, img in r.images or ())
         req = Request(str(index), r.prompt_tokens(index),
-                      SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True), segments=spans)
+                      SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True), segments=spans,
+                      media=media)
         self.index_of[req.request_id] = index
         if at is not None and not self.scheduler.has_unfinished():
             self.clock = max(self.clock, at)
@@ -318,6 +335,8 @@ class EngineSim:
                 if self._oracle is not None:
                     self._consume_uses(i, kv.block_hashes(req))
         sampled, dt = self.executor.execute(out)
+        if any(s.request.media for s in out.seqs):
+            dt += self._encode(out)
         clock += dt
         self.clock = clock
         self.busy_s += dt
@@ -348,6 +367,18 @@ class EngineSim:
                 self.done[req.request_id] = clock
                 if self.bar is not None:
                     self.bar.update(1)
+
+    def _encode(self, out: SchedulerOutput) -> float:
+        """The step's encoder work: its images not in the encoder cache (each once), as the
+        engine plans them (``plan_encodings``); seconds at the cost model's rate."""
+        media = [m for s in out.seqs for m in media_overlapping(s.request.media, s.start, s.start + s.num_new_tokens)]
+        if self.kv.encoder is not None:
+            runs = sum(not cached for cached, _ in plan_encodings(self.kv.encoder, media, self.encoding_bytes).values())
+        else:
+            runs = len({m.key for m in media})
+        self.encoder_runs += runs
+        self.encoder_seconds += runs * self.cost.encoder_s_per_image
+        return runs * self.cost.encoder_s_per_image
 
     def _block_hits(self, req: Request, tr: TraceRequest) -> tuple[int, int]:
         """Leading prompt blocks the cache serves when the request is first scheduled (no
@@ -398,6 +429,11 @@ class Simulator:
         if self.tier is not None:
             report.update(self.tier.report())
             report["tier_token_hit_rate"] = eng.tier_hit_tokens / eng.prompt_tokens if eng.prompt_tokens else 0.0
+        if any(r.images for r in trace):
+            enc = self.kv.encoder
+            report.update({"encoder_runs": eng.encoder_runs, "encoder_seconds": eng.encoder_seconds,
+                           "encoder_cache_hits": enc.hits if enc is not None else 0,
+                           "encoder_cache_evictions": enc.evictions if enc is not None else 0})
         if cfg.engine.segment_reuse:
             c = self.kv.counters
             report.update({"segment_recompute": cfg.engine.segment_recompute, "segment_hits": c.segment_hits,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MOONCAKE_BLOCK = 512
+IMAGE_TOKEN = -9
+"""The placeholder id of an image's positions (the image's key tells images apart)."""
 
 
 @dataclass
@@ -27,6 +29,8 @@ class TraceRequest:
     output_len: int
     hash_ids: list[int] | None = None
     segments: list[tuple[int, int]] | None = None
+    images: list[tuple[int, int, int]] | None = None
+    """(offset, length, image id): the prompt's images; their positions hold ``IMAGE_TOKEN``."""
 
     def prompt_tokens(self, index: int) -> list[int]:
         if self.hash_ids is not None:
@@ -118,4 +122,22 @@ def rag(num_requests: int, rate: float, num_docs: int, doc_len: int, docs_per_pr
         question += 1
         pieces.append((question, rng.randint(*question_len)))
         reqs.append(TraceRequest(t, sum(n for _, n in pieces), rng.randint(*output_len), segments=pieces))
+    return reqs
+
+
+def images(num_requests: int, rate: float, num_images: int, image_tokens: int, prefix_len: tuple[int, int],
+           question_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0) -> list[TraceRequest]:
+    """Image chats where many requests share a few images: a text of its own (``prefix_len``), one
+    of ``num_images`` images (``image_tokens`` positions), a question of its own; Poisson
+    arrivals. The text before the image differs, so an image's KV never hits: only an encoder
+    cache saves its encoding."""
+    rng = random.Random(seed)
+    t, reqs, content = 0.0, [], 1 << 42
+    for _ in range(num_requests):
+        t += rng.expovariate(rate)
+        head = rng.randint(*prefix_len)
+        pieces = [(content, head), (IMAGE_TOKEN, image_tokens), (content + 1, rng.randint(*question_len))]
+        content += 2
+        reqs.append(TraceRequest(t, sum(n for _, n in pieces), rng.randint(*output_len), segments=pieces,
+                                 images=[(head, image_tokens, rng.randrange(num_images))]))
     return reqs
