@@ -97,9 +97,12 @@ class CachedBlockSet:
                 return False
         for e in batch.events:
             if isinstance(e, BlockStored):
+                while e.group >= len(self.groups):  # a hybrid engine's first batch, before any snapshot
+                    self.groups.append(set())
                 self.groups[e.group].add(e.block_hash)
             elif isinstance(e, BlockRemoved):
-                self.groups[e.group].discard(e.block_hash)
+                if e.group < len(self.groups):
+                    self.groups[e.group].discard(e.block_hash)
             else:
                 for g in self.groups:
                     g.clear()

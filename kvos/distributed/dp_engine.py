@@ -32,6 +32,7 @@ from kvos.engine.client import (
     OutputChannel,
     RequestStream,
 )
+from kvos.engine.media import ImagePreparer, MediaLimits, media_items
 from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router, make_router
 
 log = logging.getLogger("kvos.distributed")
@@ -152,7 +153,9 @@ class DataParallelEngine:
         self.model_id = self.info.model_id
         self.model_facts = ModelFacts(self.model_id, self.max_model_len, self.info.vocab_size,
                                       default_sampling=dict(self.info.default_sampling),
-                                      segment_reuse=self.info.segment_reuse)
+                                      segment_reuse=self.info.segment_reuse, vision=self.info.vision,
+                                      media_folder=self.info.media_folder, media_limits=self.info.media_limits)
+        self._media: ImagePreparer | None = None  # prepares images given to submit unprepared
         self.block_size = self.info.block_size
         self.router_name = router
         self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]
@@ -209,10 +212,36 @@ class DataParallelEngine:
             raise EngineHung(f"engine {i} did not answer {method} within {limit:.0f} s")
         return task.result()
 
-    def _hashes(self, ids: list[int], salt: str | None) -> list[bytes]:
+    def _hashes(self, prompt: dict, salt: str | None) -> list[bytes]:
+        """The prompt's block hashes as its engine computes them: with its images' keys in the
+        blocks that hold their tokens (so the KV-aware router follows an image's KV)."""
+        ids = prompt["prompt_token_ids"]
+        media = ()
+        data = prompt.get("multi_modal_data")
+        if data is not None and self.info.vision is not None:
+            media = media_items(ids, data["image"], self.info.vision, salt)
         hashes: list[bytes] = []
-        extend_block_hashes(hashes, ids[: len(ids) - 1], self.block_size, root_hash(self.model_id, salt))
+        extend_block_hashes(hashes, ids[: len(ids) - 1], self.block_size, root_hash(self.model_id, salt), media)
         return hashes
+
+    def _prepare_images(self, prompt: dict) -> dict:
+        """``multi_modal_data``'s images decoded and preprocessed here (once, not per engine)."""
+        data = prompt.get("multi_modal_data")
+        if data is None:
+            return prompt
+        if self.info.vision is None:
+            raise ValueError("multi_modal_data: this model takes no images")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict {'image': an image or a list of images}")
+        images = data.get("image") or []
+        images = images if isinstance(images, (list, tuple)) else [images]
+        if self._media is None:
+            self._media = ImagePreparer(self.info.vision, self.info.media_folder, self.info.media_limits or MediaLimits())
+        limit = self._media.limits.max_images
+        if len(images) > limit:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most {limit} per prompt")
+        prepared = [self._media.prepare(im, f"multi_modal_data.image[{i}]") for i, im in enumerate(images)]
+        return {**prompt, "multi_modal_data": {"image": prepared}}
 
     def _tokenize(self, prompt) -> dict:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -231,8 +260,8 @@ class DataParallelEngine:
         client before it finishes (not streamed), so it may restart on another engine."""
         if self._closed is not None:
             raise EngineStopped(self._closed)
-        prompt = self._tokenize(prompt)
-        hashes = self._hashes(prompt["prompt_token_ids"], cache_salt)
+        prompt = self._prepare_images(self._tokenize(prompt))
+        hashes = self._hashes(prompt, cache_salt)
         stream = OutputChannel.here()
         rec = _InFlight(request_id, -1, prompt, params, priority, cache_salt, retriable, stream, hashes, 0)
         self.num_pending += params.n
@@ -288,7 +317,8 @@ class DataParallelEngine:
             self._count(i, pre)
             self.router_stats.routed[i] += 1
             await self._call(i, "add", pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
-                             rec.priority, rec.salt, rec.hashes, self.engines.device_transfer)
+                             rec.priority, rec.salt, rec.hashes, self.engines.device_transfer, None, (),
+                             rec.prompt.get("multi_modal_data"))
             while True:
                 item = await pre.stream.queue.get()
                 if isinstance(item, BaseException):
@@ -346,7 +376,7 @@ class DataParallelEngine:
         try:
             stored = await self._call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
                                       rec.priority, rec.salt, None, False, found,
-                                      rec.prompt.get("segment_spans") or ())
+                                      rec.prompt.get("segment_spans") or (), rec.prompt.get("multi_modal_data"))
         finally:
             if found is not None and isinstance(found.rows, DeviceRows):
                 self.engines.notify(source, "transfer_done", found.rows.nbytes)
@@ -607,6 +637,9 @@ class DataParallelEngine:
             for k, v in s.items():
                 if k not in GAUGES and k != "pid" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     total[k] = total.get(k, 0) + v
+        encoders = [s["encoder"] for s in self.engine_stats if isinstance(s.get("encoder"), dict)]
+        if encoders:  # a vision-language model: every engine's encoder and encoder group, summed
+            total["encoder"] = {k: sum(e.get(k, 0) for e in encoders) for k in encoders[0]}
         if total.get("total"):
             total["kv_usage"] = total["used"] / total["total"]
         if total.get("prefix_queries_tokens"):

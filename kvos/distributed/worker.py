@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from kvos.cache.pins import PinInfo
 from kvos.core.kv_events import KVEventBatch, KVSnapshot
@@ -16,6 +17,8 @@ from kvos.core.sampling_params import SamplingParams
 from kvos.distributed.block_export import BlockExports
 from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
 from kvos.distributed.output_delta import DeltaEncoder, OutputDelta
+from kvos.engine.media import MediaLimits
+from kvos.models.config import VisionShape
 
 log = logging.getLogger("kvos.distributed")
 
@@ -33,6 +36,11 @@ class EngineInfo:
     vocab_size: int
     default_sampling: dict = field(default_factory=dict)
     segment_reuse: bool = False
+    vision: VisionShape | None = None
+    """A vision-language model's image side: the front end pairs images with image tokens and
+    hashes their keys into the prompt's blocks, as the engines do."""
+    media_folder: Path | None = None
+    media_limits: MediaLimits | None = None
 
 
 @dataclass
@@ -96,16 +104,20 @@ class EngineWorker:
     def info(self) -> EngineInfo:
         e = self.engine
         return EngineInfo(self.engine_id, e.kv.model_id, e.kv.block_size, e.max_model_len, os.getpid(),
-                          e.model_config.vocab_size, dict(e.default_sampling), e.config.segment_reuse)
+                          e.model_config.vocab_size, dict(e.default_sampling), e.config.segment_reuse,
+                          e.model_config.vision, e.model_path if e.model_path.is_dir() else None,
+                          e.media.limits if e.media is not None else None)
 
     def tokenizer(self):
         return self.engine.tokenizer
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
             cache_salt: str | None = None, export: list[bytes] | None = None, on_device: bool = False,
-            received: ExtractedBlocks | None = None, segment_spans: tuple = ()) -> int:
+            received: ExtractedBlocks | None = None, segment_spans: tuple = (),
+            multi_modal_data: dict | None = None) -> int:
         """Queue a request; raises ``ValueError`` (naming the field) if the engine refuses it.
-        ``segment_spans``: the prompt's segments (segment reuse).
+        ``segment_spans``: the prompt's segments (segment reuse); ``multi_modal_data``: its images
+        (``PreparedImage``s, as ``LLMEngine.add_request`` takes them).
 
         Disaggregated prefill: ``export`` (on a prefill engine): when the request finishes, the
         blocks of these hashes that the cache holds are kept (referenced) for ``take_export``
@@ -130,7 +142,7 @@ class EngineWorker:
         box: list = [None, 0]
         with self._lock:
             self._cmds.append(("add", (request_id, prompt_token_ids, params, priority, cache_salt, export, on_device,
-                                       received, segment_spans), done, box))
+                                       received, segment_spans, multi_modal_data), done, box))
             self._changed.notify_all()
         done.wait()
         if box[0] is not None:
@@ -225,14 +237,17 @@ class EngineWorker:
         e = self.engine
         for kind, arg, done, box in cmds:
             if kind == "add":
-                rid, ids, params, priority, salt, export, on_device, received, spans = arg
+                rid, ids, params, priority, salt, export, on_device, received, spans, mm = arg
                 if received is not None and received.hashes:
                     try:
                         box[1] = e.adopt_blocks(received.hashes, received.parent, received.rows, received.depth)
                     except Exception:  # the request computes the blocks itself
                         log.exception("%s: receiving %s's blocks failed", self.engine_id, rid)
                 try:
-                    e.add_request({"prompt_token_ids": ids, "segment_spans": spans}, params, request_id=rid,
+                    prompt = {"prompt_token_ids": ids, "segment_spans": spans}
+                    if mm is not None:
+                        prompt["multi_modal_data"] = mm
+                    e.add_request(prompt, params, request_id=rid,
                                   priority=priority,
                                   cache_salt=salt)
                     if export:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import logging
 import time
@@ -66,8 +67,9 @@ class ServerState:
         facts = self.engine.model_facts
         if facts.vision is None:
             raise APIError(400, "messages: this model takes no images", param="messages")
-        if self.media is None:
-            self.media = ImagePreparer(facts.vision, facts.media_folder, facts.media_limits or MediaLimits())
+        if self.media is None:  # a client never names a file on the server's disk
+            limits = dataclasses.replace(facts.media_limits or MediaLimits(), allow_files=False)
+            self.media = ImagePreparer(facts.vision, facts.media_folder, limits)
         limit = self.media.limits.max_images
         if len(images) > limit:
             where = images[limit][0]

@@ -99,3 +99,16 @@ def engine_generate(engine):
         while engine.has_unfinished_requests():
             engine.step()
     return run
+
+
+def test_a_hybrid_engines_first_batch_applies_before_any_snapshot():
+    """A router's set starts with one group; a hybrid engine's first batch (seq 1, nothing missed)
+    stores blocks of its other groups too (this raised IndexError and ended the front end's poll
+    loop for that engine, so its requests never finished)."""
+    from kvos.core.kv_events import KVEventBatch
+
+    s = CachedBlockSet()
+    batch = KVEventBatch("e", "epoch", 1, (BlockStored(b"a", b"root", 4, group=0), BlockStored(b"b", b"root", 4, group=2),
+                                           BlockRemoved(b"c", group=3)))
+    assert s.apply(batch)
+    assert s.prefix_hits([b"a"]) == 1 and s.prefix_hits([b"b"], group=2) == 1 and s.prefix_hits([b"b"], group=1) == 0

@@ -71,6 +71,7 @@ def test_image_chat_matches_transformers_and_hits_later(client, server, folder):
     ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], "--allow-remote-images"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}], "base64"),
     ([{"type": "image_url", "image_url": {"url": "data:,"}}] * 3, "at most 2 images"),
+    ([{"type": "image_url", "image_url": {"url": "/etc/hostname"}}], "must be a data: URL"),  # no server files
 ])
 def test_bad_images_are_400s_naming_the_part(server, folder, content, words):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
@@ -79,3 +80,31 @@ def test_bad_images_are_400s_naming_the_part(server, folder, content, words):
     err = r.json()["error"]
     assert words in err["message"]
     assert err["param"].startswith("messages[0].content[")
+
+
+def test_data_parallel_engines_follow_each_image_to_its_engine(folder):
+    """Two engine processes behind the KV-aware router: two chats with different images start
+    at once (spread over both engines); each later turn returns to the engine holding its image's
+    KV, because the front end hashes image keys into the blocks as the engines do (the text
+    before the images is the same, so by text alone both engines would look alike)."""
+    s = Server("--model", str(folder), "--block-size", "4", "--kv-cache-memory-bytes", str(8 << 20),
+               "--data-parallel", "2", "--transport", "process", "--generation-config", "kvos").wait_ready()
+    try:
+        import concurrent.futures
+
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        urls = [png_data_url(image(21)), png_data_url(image(22))]
+
+        def ask(msgs):
+            return client.chat.completions.create(model=folder.name, messages=msgs, max_tokens=4, temperature=0)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            firsts = list(pool.map(ask, [messages(u) for u in urls]))
+        for url, first in zip(urls, firsts):
+            later = messages(url) + [{"role": "assistant", "content": first.choices[0].message.content},
+                                     {"role": "user", "content": "and the colours?"}]
+            again = ask(later)
+            assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 4
+        assert s.metric("kvos:encoder_runs_total") == 2  # each image encoded once, on its engine
+    finally:
+        s.stop()
