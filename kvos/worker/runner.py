@@ -548,7 +548,8 @@ class ModelRunner:
             draft_s = self.draft.seconds - t0
         (input_ids, positions, metas, tables, slots, logit_idx, row_ids, sample_rows, targets,
          plp, drafts) = self._prepare(step)
-        media = self._media_inputs(step, metas) if any(s.media for s in step.seqs) else None
+        media = (self._media_inputs(step, metas) if self.cfg.vision is not None and any(s.media for s in step.seqs)
+                 else None)
         meta, g = metas[0], self.graphs
         if g is not None and media is None and meta.num_decodes == len(meta.query_lens_list) and \
                 g.can_run(meta.num_decodes, tables.shape[2]):
