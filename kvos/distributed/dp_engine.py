@@ -231,16 +231,9 @@ class DataParallelEngine:
             return prompt
         if self.info.vision is None:
             raise ValueError("multi_modal_data: this model takes no images")
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise ValueError("multi_modal_data must be a dict {'image': an image or a list of images}")
-        images = data.get("image") or []
-        images = images if isinstance(images, (list, tuple)) else [images]
         if self._media is None:
             self._media = ImagePreparer(self.info.vision, self.info.media_folder, self.info.media_limits or MediaLimits())
-        limit = self._media.limits.max_images
-        if len(images) > limit:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most {limit} per prompt")
-        prepared = [self._media.prepare(im, f"multi_modal_data.image[{i}]") for i, im in enumerate(images)]
+        prepared = self._media.prepare_all(data)
         return {**prompt, "multi_modal_data": {"image": prepared}}
 
     def _tokenize(self, prompt) -> dict:

@@ -379,16 +379,7 @@ class LLMEngine:
         per-prompt limit."""
         if self.media is None:
             raise ValueError("multi_modal_data: this model takes no images")
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise ValueError("multi_modal_data must be a dict {'image': an image or a list of images}")
-        images = data.get("image") or []
-        images = images if isinstance(images, (list, tuple)) else [images]
-        limit = self.media.limits.max_images
-        if len(images) > limit:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most {limit} per prompt "
-                             f"(limit_images_per_prompt)")
-        names = names or [f"multi_modal_data.image[{i}]" for i in range(len(images))]
-        return [self.media.prepare(im, where) for im, where in zip(images, names)]
+        return self.media.prepare_all(data, names)
 
     def prompt_media(self, prompt: PromptType, ids: list[int], cache_salt: str | None) -> tuple[MediaItem, ...]:
         """The prompt's images paired with its image-token runs (none without ``multi_modal_data``,

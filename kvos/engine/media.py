@@ -156,6 +156,21 @@ class ImagePreparer:
         return PreparedImage(content_hash(rgb), np.ascontiguousarray(pixels, dtype=np.float32))
 
 
+    def prepare_all(self, data, names: list[str] | None = None) -> list[PreparedImage]:
+        """``multi_modal_data``'s images (``{"image": an image or a list}``) prepared in order;
+        ValueError naming ``multi_modal_data.image[i]`` (or ``names[i]``) for a bad one, or
+        past ``limits.max_images`` (``limit_images_per_prompt``)."""
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict {'image': an image or a list of images}")
+        images = data.get("image") or []
+        images = images if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.limits.max_images:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most {self.limits.max_images} "
+                             f"per prompt (limit_images_per_prompt)")
+        names = names or [f"multi_modal_data.image[{i}]" for i in range(len(images))]
+        return [self.prepare(im, where) for im, where in zip(images, names)]
+
+
 def _image_processor(vision: VisionShape, folder: Path | None):
     import transformers
 
