@@ -38,7 +38,7 @@ def _image(i: int, size: int):
 
     from kvos.engine.media import PreparedImage
 
-    pixels = np.random.default_rng(i).uniform(-1, 1, (3, size, size)).astype(np.float32)
+    pixels = np.random.default_rng(i).uniform(-1, 1, (1, 3, size, size)).astype(np.float32)
     return PreparedImage(f"bench-image-{i}", pixels)
 
 
@@ -101,7 +101,7 @@ def encoder_timing(llm, batch: int, size: int, peak_flops: float | None) -> dict
 
     eng = llm.engine
     v, model = eng.model_config.vision, eng.runner.model
-    pixels = torch.from_numpy(np.stack([_image(i, size).pixels for i in range(batch)])).to(eng.runner.device)
+    pixels = torch.from_numpy(np.stack([_image(i, size).tiles[0] for i in range(batch)])).to(eng.runner.device)
     sync = torch.cuda.synchronize if eng.runner.device.type == "cuda" else (lambda: None)
     times = []
     with torch.inference_mode():

@@ -32,7 +32,7 @@ from kvos.engine.client import (
     OutputChannel,
     RequestStream,
 )
-from kvos.engine.media import ImagePreparer, MediaLimits, media_items
+from kvos.engine.media import ImagePreparer, MediaLimits, expand_image_text, media_items
 from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router, make_router
 
 log = logging.getLogger("kvos.distributed")
@@ -224,9 +224,9 @@ class DataParallelEngine:
         extend_block_hashes(hashes, ids[: len(ids) - 1], self.block_size, root_hash(self.model_id, salt), media)
         return hashes
 
-    def _prepare_images(self, prompt: dict) -> dict:
+    def _prepare_images(self, prompt) -> dict:
         """``multi_modal_data``'s images decoded and preprocessed here (once, not per engine)."""
-        data = prompt.get("multi_modal_data")
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if data is None:
             return prompt
         if self.info.vision is None:
@@ -244,6 +244,10 @@ class DataParallelEngine:
         text = prompt["prompt"] if isinstance(prompt, dict) else prompt
         if not isinstance(text, str):
             raise ValueError("prompt must be a string or a dict with prompt_token_ids")
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is not None:  # the images' placeholders become their tokens, as the engine does
+            text = expand_image_text(text, self.tokenizer, self.info.vision, data["image"])
+            return {**prompt, "prompt": text, "prompt_token_ids": encode_prompt(self.tokenizer, text)}
         return {"prompt": text, "prompt_token_ids": encode_prompt(self.tokenizer, text)}
 
     async def submit(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
@@ -253,7 +257,7 @@ class DataParallelEngine:
         client before it finishes (not streamed), so it may restart on another engine."""
         if self._closed is not None:
             raise EngineStopped(self._closed)
-        prompt = self._prepare_images(self._tokenize(prompt))
+        prompt = self._tokenize(self._prepare_images(prompt))
         hashes = self._hashes(prompt, cache_salt)
         stream = OutputChannel.here()
         rec = _InFlight(request_id, -1, prompt, params, priority, cache_salt, retriable, stream, hashes, 0)

@@ -10,7 +10,7 @@ from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
 from kvos.engine.chat import chat_prompt_ids, message_spans, split_image_parts
 from kvos.engine.llm_engine import LLMEngine, PromptType
-from kvos.engine.media import expand_image_text
+from kvos.engine.media import PreparedImage, expand_image_text
 
 Message = dict[str, str]
 
@@ -87,7 +87,8 @@ class LLM:
             if images:
                 prepared = self.engine.prompt_images({"image": [src for _, src in images]},
                                                       [where for where, _ in images])
-                ids = chat_prompt_ids(self.engine.tokenizer, c, add_generation_prompt, expand=self._expand)
+                ids = chat_prompt_ids(self.engine.tokenizer, c, add_generation_prompt,
+                                      expand=lambda text, p=prepared: self._expand(text, p))
                 prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": prepared}})
                 continue
             ids = self.chat_token_ids(c, add_generation_prompt)
@@ -98,13 +99,16 @@ class LLM:
     def chat_token_ids(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """The chat's prompt ids; each image part becomes the model's image tokens."""
         messages, images = split_image_parts(messages)
-        expand = self._expand if images else None
-        return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt, expand=expand)
+        if not images:
+            return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt)
+        prepared = self.engine.prompt_images({"image": [src for _, src in images]}, [where for where, _ in images])
+        return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt,
+                               expand=lambda text: self._expand(text, prepared))
 
-    def _expand(self, text: str) -> str:
+    def _expand(self, text: str, images: list[PreparedImage]) -> str:
         if self.engine.media is None:
             raise ValueError("messages: this model takes no images")
-        return expand_image_text(text, self.engine.tokenizer, self.engine.media.vision)
+        return expand_image_text(text, self.engine.tokenizer, self.engine.media.vision, images)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -355,7 +355,8 @@ class LLMEngine:
                 raise ValueError("multi_modal_data: this model takes no images")
             if self.tokenizer is None:
                 raise ValueError("prompt: this engine has no tokenizer; pass prompt_token_ids with the image tokens")
-            text = expand_image_text(prompt["prompt"], self.tokenizer, self.media.vision)
+            images = self.prompt_images(prompt["multi_modal_data"])  # (prepared once: add_request's are)
+            text = expand_image_text(prompt["prompt"], self.tokenizer, self.media.vision, images)
             return text, encode_prompt(self.tokenizer, text), ()
         text, ids = self.tokenize_prompt(prompt)
         spans = prompt.get("segment_spans") if isinstance(prompt, dict) else None
@@ -437,6 +438,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._user_requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:  # decoded and prepared once
+            prompt = {**prompt, "multi_modal_data": {"image": self.prompt_images(prompt["multi_modal_data"])}}
         text, ids, segments = self.tokenize_request(prompt)
         media = self.prompt_media(prompt, ids, cache_salt)
         if media and segments:

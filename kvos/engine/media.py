@@ -127,16 +127,20 @@ def salted_key(content: str, cache_salt: str | None) -> str:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """An image decoded and preprocessed once: its content hash and the encoder's input."""
+    """An image decoded and preprocessed once: its content hash and the encoder's inputs,
+    ``tiles [n, 3, S, S]`` float32 (one for Gemma 3; Idefics3: ``rows x cols`` crops in row order,
+    then the global view, or the global view alone when ``grid`` is ``(0, 0)``)."""
 
     content: str
-    pixels: np.ndarray
+    tiles: np.ndarray
+    grid: tuple[int, int] = (0, 0)
 
 
 class ImagePreparer:
     """The checkpoint's own image preprocessing (transformers' image processor read from its
-    folder, the same as its processor applies) or, for a random-weight config, Gemma 3's
-    (resize to ``image_size``, rescale, normalise to [-1, 1])."""
+    folder, the same as its processor applies) or, for a random-weight config, the family's
+    defaults (Gemma 3: resize to ``image_size``, rescale, normalise to [-1, 1]; Idefics3:
+    SmolVLM's tiling with ``max_tiles_per_side``)."""
 
     def __init__(self, vision: VisionShape, folder: Path | None, limits: MediaLimits) -> None:
         self.vision = vision
@@ -152,9 +156,16 @@ class ImagePreparer:
         rgb = img.convert("RGB")
         if self._processor is None:
             self._processor = _image_processor(self.vision, self.folder)
-        pixels = self._processor(images=[rgb], return_tensors="np")["pixel_values"][0]
-        return PreparedImage(content_hash(rgb), np.ascontiguousarray(pixels, dtype=np.float32))
-
+        if self.vision.family == "idefics3":
+            out = self._processor(images=[[rgb]], return_tensors="np", return_row_col_info=True)
+            tiles, grid = out["pixel_values"][0], (int(out["rows"][0][0]), int(out["cols"][0][0]))
+        else:
+            tiles, grid = as_tiles(self._processor(images=[rgb], return_tensors="np")["pixel_values"][0]), (0, 0)
+        size = self.vision.image_size
+        if tiles.shape[1:] != (3, size, size):
+            raise ValueError(f"{where}: the image processor made {tuple(tiles.shape[1:])} inputs; the encoder takes "
+                             f"(3, {size}, {size}) (the processor's tile size must be vision_config.image_size)")
+        return PreparedImage(content_hash(rgb), np.ascontiguousarray(tiles, dtype=np.float32), grid)
 
     def prepare_all(self, data, names: list[str] | None = None) -> list[PreparedImage]:
         """``multi_modal_data``'s images (``{"image": an image or a list}``) prepared in order;
@@ -171,32 +182,66 @@ class ImagePreparer:
         return [self.prepare(im, where) for im, where in zip(images, names)]
 
 
+def as_tiles(pixels: np.ndarray) -> np.ndarray:
+    """One image's ``[3, S, S]`` pixels as a stack of one tile."""
+    return pixels[None] if pixels.ndim == 3 else pixels
+
+
 def _image_processor(vision: VisionShape, folder: Path | None):
     import transformers
 
-    size = {"height": vision.image_size, "width": vision.image_size}
     for name in ("preprocessor_config.json", "processor_config.json"):
         path = folder / name if folder is not None else None
         if path is not None and path.exists():
             cfg = json.loads(path.read_text())
             cfg = cfg.get("image_processor", cfg)
-            cls_name = cfg.get("image_processor_type", "Gemma3ImageProcessor")
+            default = "Idefics3ImageProcessor" if vision.family == "idefics3" else "Gemma3ImageProcessor"
+            cls_name = cfg.get("image_processor_type", default)
             cls = getattr(transformers, cls_name + "Pil", None) or getattr(transformers, cls_name)
             keep = {k: v for k, v in cfg.items() if k not in ("image_processor_type", "processor_class")}
             return cls(**keep)
-    return transformers.Gemma3ImageProcessorPil(size=size)
+    if vision.family == "idefics3":
+        side = vision.image_size
+        return transformers.Idefics3ImageProcessorPil(
+            size={"longest_edge": side * vision.max_tiles_per_side}, max_image_size={"longest_edge": side})
+    return transformers.Gemma3ImageProcessorPil(size={"height": vision.image_size, "width": vision.image_size})
 
 
-def image_sequence_text(tokenizer, vision: VisionShape) -> str:
-    """What one image's ``<start_of_image>`` becomes in the prompt text (Gemma 3's processor):
-    a blank line, the start token, ``tokens_per_image`` image tokens, the end token, a blank line."""
+IDEFICS3_FRAME, IDEFICS3_GLOBAL, IDEFICS3_IMAGE = "<fake_token_around_image>", "<global-img>", "<image>"
+
+
+def image_sequence_text(tokenizer, vision: VisionShape, image: PreparedImage | None = None) -> str:
+    """What one image's placeholder becomes in the prompt text, as the model's processor writes
+    it. Gemma 3: a blank line, the start token, ``tokens_per_image`` image tokens, the end token,
+    a blank line. Idefics3: per tile (row by row) a frame token, ``<row_r_col_c>`` and the tile's
+    image tokens, a newline after each row; then a newline and the global view (frame,
+    ``<global-img>``, image tokens, frame) — only the global view for an image not cut."""
+    if vision.family == "idefics3":
+        run = IDEFICS3_IMAGE * vision.tokens_per_image
+        rows, cols = image.grid if image is not None else (0, 0)
+        text = "".join("".join(f"{IDEFICS3_FRAME}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
+                       for r in range(rows))
+        return text + ("\n" if rows or cols else "") + f"{IDEFICS3_FRAME}{IDEFICS3_GLOBAL}{run}{IDEFICS3_FRAME}"
     boi, img, eoi = tokenizer.convert_ids_to_tokens([vision.boi_token_id, vision.image_token_id,
                                                      vision.eoi_token_id])
     return f"\n\n{boi}{img * vision.tokens_per_image}{eoi}\n\n"
 
 
-def expand_image_text(text: str, tokenizer, vision: VisionShape) -> str:
-    """``text`` with every start-of-image token's text replaced by the image's whole sequence."""
+def expand_image_text(text: str, tokenizer, vision: VisionShape,
+                      images: Sequence[PreparedImage] = ()) -> str:
+    """``text`` with each image placeholder (Gemma 3's start-of-image token, Idefics3's
+    ``<image>``) replaced by its image's whole sequence; Idefics3's depends on the image's
+    tiles, so ``images`` are the prompt's, in order (ValueError naming ``multi_modal_data`` when
+    the counts differ)."""
+    if vision.family == "idefics3":
+        parts = text.split(IDEFICS3_IMAGE)
+        if len(parts) - 1 != len(images):
+            raise ValueError(f"multi_modal_data: the prompt holds {len(parts) - 1} {IDEFICS3_IMAGE} placeholder(s) "
+                             f"and {len(images)} image(s) were given")
+        out = [parts[0]]
+        for im, rest in zip(images, parts[1:]):
+            out += [image_sequence_text(tokenizer, vision, im), rest]
+        return "".join(out)
     boi = tokenizer.convert_ids_to_tokens(vision.boi_token_id)
     return text.replace(boi, image_sequence_text(tokenizer, vision))
 
@@ -218,15 +263,17 @@ def image_spans(ids: Sequence[int], vision: VisionShape) -> list[tuple[int, int]
 
 def media_items(ids: Sequence[int], images: Sequence[PreparedImage], vision: VisionShape,
                 cache_salt: str | None) -> tuple[MediaItem, ...]:
-    """Pair the prompt's image-token runs with ``images`` in order. ``ValueError`` naming
-    ``multi_modal_data`` when the counts or a run's length do not match."""
+    """Pair the prompt's image-token runs with ``images``' tiles in order: one ``MediaItem``
+    per tile, keyed by the image's salted key (and the tile's index when it has several).
+    ``ValueError`` naming ``multi_modal_data`` when the counts or a run's length do not match."""
     spans = image_spans(ids, vision)
-    if len(spans) != len(images):
-        raise ValueError(f"multi_modal_data: the prompt holds {len(spans)} image(s) (runs of image token "
-                         f"{vision.image_token_id}) and {len(images)} were given")
+    tiles = [(salted_key(im.content, cache_salt) + (f"/{t}" if len(im.tiles) > 1 else ""), im.tiles[t])
+             for im in images for t in range(len(im.tiles))]
+    if len(spans) != len(tiles):
+        raise ValueError(f"multi_modal_data: the prompt holds {len(spans)} image token run(s) (of token "
+                         f"{vision.image_token_id}) and the {len(images)} image(s) given make {len(tiles)}")
     for s, e in spans:
         if e - s != vision.tokens_per_image:
             raise ValueError(f"multi_modal_data: an image takes {vision.tokens_per_image} image tokens; the prompt "
                              f"has a run of {e - s} at position {s}")
-    return tuple(MediaItem(s, e - s, salted_key(im.content, cache_salt), im.pixels)
-                 for (s, e), im in zip(spans, images))
+    return tuple(MediaItem(s, e - s, key, pixels) for (s, e), (key, pixels) in zip(spans, tiles))

@@ -12,8 +12,11 @@ SUPPORTED_ARCHS = {
     "bamba": "bamba", "BambaForCausalLM": "bamba",
     "granitemoehybrid": "granitemoehybrid", "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "mamba2": "mamba2", "Mamba2ForCausalLM": "mamba2",
+    "idefics3": "idefics3", "Idefics3ForConditionalGeneration": "idefics3",
+    "smolvlm": "idefics3", "SmolVLMForConditionalGeneration": "idefics3",
 }
-SUPPORTED_NAMES = "Llama, Mistral, Qwen2, Qwen3, Gemma 3, Bamba, Granite 4.0-H (GraniteMoeHybrid), Mamba2"
+SUPPORTED_NAMES = ("Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text and vision), Bamba, Granite 4.0-H (GraniteMoeHybrid), "
+                   "Mamba2, Idefics3 / SmolVLM")
 HYBRID_ARCHS = ("bamba", "granitemoehybrid", "mamba2")
 """Architectures with Mamba2 layers (``kvos.models.hybrid``)."""
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
@@ -51,11 +54,19 @@ class MambaShape:
 @dataclass(frozen=True)
 class VisionShape:
     """A vision-language model's image side: a SigLIP encoder (``hidden``, ``layers``, ``heads``,
-    square ``image_size`` images cut into ``patch_size`` patches) and a projector that pools its
-    patches to ``tokens_per_image`` soft tokens of the text model's width. The prompt holds
-    ``tokens_per_image`` copies of ``image_token_id`` per image, between ``boi_token_id`` and
-    ``eoi_token_id``; ``bidirectional``: the text layers' attention among one image's tokens is
-    not causal (Gemma 3)."""
+    square ``image_size`` images cut into ``patch_size`` patches) and a projector to
+    ``tokens_per_image`` soft tokens of the text model's width. ``family``:
+
+    - ``"gemma3"``: one ``image_size`` square per image, its patches average-pooled; the prompt
+      holds the image tokens between ``boi_token_id`` and ``eoi_token_id``; the text layers'
+      attention among one image's tokens is not causal (``bidirectional``).
+    - ``"idefics3"`` (Idefics3, SmolVLM): an image is cut into up to ``max_tiles_per_side`` squared
+      tiles of ``image_size`` plus a global view, each a run of ``tokens_per_image`` image tokens
+      (patches pixel-shuffled by ``scale_factor``), the runs framed by the processor's
+      ``<fake_token_around_image>`` and row/column tags (``boi_token_id`` and ``eoi_token_id``
+      are -1: config.json does not name them); causal attention.
+
+    ``tokens_per_image`` is per tile: one ``MediaItem`` (one encoder input) each."""
 
     hidden: int
     intermediate: int
@@ -69,22 +80,42 @@ class VisionShape:
     eoi_token_id: int
     layer_norm_eps: float = 1e-6
     bidirectional: bool = True
+    family: str = "gemma3"
+    scale_factor: int = 1
+    """Idefics3: patches merged per side by the pixel shuffle."""
+    max_tiles_per_side: int = 1
+    """Idefics3: tiles per side of the largest image (the processor's ``size`` over ``image_size``)."""
 
     @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
     @property
+    def max_tiles_per_image(self) -> int:
+        """Encoder inputs of the largest image: its tiles and, when cut, the global view."""
+        n = self.max_tiles_per_side
+        return n * n + 1 if n > 1 else 1
+
+    @property
     def prompt_tokens_per_image(self) -> int:
-        """What one image adds to a prompt as Gemma 3's processor writes it: a blank line, the
-        start token, ``tokens_per_image`` image tokens, the end token, a blank line."""
+        """What the largest image adds to a prompt as the model's processor writes it. Gemma 3:
+        a blank line, the start token, the image tokens, the end token, a blank line. Idefics3:
+        per tile a frame token, a row/column tag and the image tokens, a newline per row, then a
+        newline, the global view's frame, tag and image tokens, and a closing frame."""
+        if self.family == "idefics3":
+            n = self.max_tiles_per_side
+            tiles = n * n * (self.tokens_per_image + 2) + n + 1 if n > 1 else 0
+            return tiles + self.tokens_per_image + 3
         return self.tokens_per_image + 4
 
     def num_params(self, text_hidden: int) -> int:
         """The encoder's and the projector's weights (the planner counts them with the text model's)."""
         h, i, n = self.hidden, self.intermediate, self.patches_per_side ** 2
         layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h
-        return 3 * self.patch_size ** 2 * h + h + n * h + self.layers * layer + 2 * h + h + h * text_hidden
+        tower = 3 * self.patch_size ** 2 * h + h + n * h + self.layers * layer + 2 * h
+        if self.family == "idefics3":
+            return tower + h * self.scale_factor ** 2 * text_hidden
+        return tower + h + h * text_hidden
 
 
 GEMMA3_VISION_DEFAULTS = {
@@ -92,6 +123,13 @@ GEMMA3_VISION_DEFAULTS = {
     "image_size": 896, "patch_size": 14, "layer_norm_eps": 1e-6,
 }
 """transformers' SigLIP defaults as Gemma 3 uses them (so400m, 896 px, 14 px patches)."""
+
+
+IDEFICS3_VISION_DEFAULTS = {
+    "hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 16,
+    "image_size": 224, "patch_size": 32, "layer_norm_eps": 1e-6,
+}
+"""transformers' ``Idefics3VisionConfig`` defaults (SmolVLM's are the same)."""
 
 
 GEMMA3_DEFAULTS = {
@@ -182,6 +220,8 @@ class ModelConfig:
                              f"(supported: {SUPPORTED_NAMES})")
         if arch == "gemma3":
             return cls._gemma3_from_hf(cfg, name)
+        if arch == "idefics3":
+            return cls._idefics3_from_hf(cfg, name)
         if arch in HYBRID_ARCHS:
             return cls._hybrid_from_hf(arch, cfg, name)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "llama") else None
@@ -282,6 +322,39 @@ class ModelConfig:
             tokens_per_image=tokens, image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
             boi_token_id=int(cfg.get("boi_token_index", 255999)), eoi_token_id=int(cfg.get("eoi_token_index", 256000)),
             layer_norm_eps=float(v["layer_norm_eps"]))
+
+    @classmethod
+    def _idefics3_from_hf(cls, cfg: dict, name: str) -> ModelConfig:
+        """Idefics3 / SmolVLM: the Llama ``text_config`` read as a Llama config, with the SigLIP
+        tower of ``vision_config`` and the pixel-shuffle connector (transformers' defaults where
+        config.json leaves fields out). ``max_tiles_per_side`` is the processor's (default 4,
+        SmolVLM's); the engine reads the checkpoint's own when it prepares images."""
+        text = dict(cfg.get("text_config") or {})
+        if text.get("model_type", "llama") not in ("llama", "mistral"):
+            raise ValueError(f"model: an Idefics3 text model of type {text['model_type']!r} is not supported (llama)")
+        for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+            if key not in text and key in cfg:
+                text[key] = cfg[key]
+        base = cls.from_hf({**text, "architectures": ["LlamaForCausalLM"]}, name)
+        v = {**IDEFICS3_VISION_DEFAULTS, **{k: x for k, x in (cfg.get("vision_config") or {}).items() if x is not None}}
+        act = v.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"model: vision activation {act!r} is not supported (gelu_pytorch_tanh)")
+        if not isinstance(v["image_size"], int) or not isinstance(v["patch_size"], int):
+            raise ValueError("model: vision_config.image_size and patch_size must be integers (square images)")
+        scale = int(cfg.get("scale_factor", 2))
+        side = v["image_size"] // v["patch_size"]
+        if side % scale:
+            raise ValueError(f"model: scale_factor={scale} must divide the {side} patches per side")
+        image_token = int(cfg.get("image_token_id", cfg.get("image_token_index", 128257)))
+        base.vision = VisionShape(
+            hidden=v["hidden_size"], intermediate=v["intermediate_size"], layers=v["num_hidden_layers"],
+            heads=v["num_attention_heads"], image_size=v["image_size"], patch_size=v["patch_size"],
+            tokens_per_image=(side // scale) ** 2, image_token_id=image_token,
+            boi_token_id=-1, eoi_token_id=-1,
+            layer_norm_eps=float(v["layer_norm_eps"]), bidirectional=False, family="idefics3",
+            scale_factor=scale, max_tiles_per_side=int(cfg.get("max_tiles_per_side", 4)))
+        return base
 
     @classmethod
     def _hybrid_from_hf(cls, arch: str, cfg: dict, name: str) -> ModelConfig:

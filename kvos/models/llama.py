@@ -156,12 +156,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache],
                 metas: Sequence[AttentionMetadata], backend: AttentionBackend,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None,
+                media_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Layer i writes and reads ``kv_caches[i]`` (its K and V, each ``[num_blocks,
         block_size, kv_heads, head_dim]``) through the block tables of ``metas[i]`` (its cache
         group's metadata). ``num_layers``: run only the first layers, then the final norm (a
-        self-draft's early exit)."""
+        self-draft's early exit). ``media_embeds`` (rows, values ``[rows, hidden]``): those input
+        rows take the given embeddings (an image tile's soft tokens) in place of their token's."""
         x, residual = self.embed_tokens(input_ids), None
+        if media_embeds is not None:
+            rows, values = media_embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         for i, layer in enumerate(self.layers[:num_layers] if num_layers is not None else self.layers):
             x, residual = layer(x, residual, positions, self.rope, kv_caches[i], metas[i], backend)
         return self.norm(x, residual)[0]

@@ -138,6 +138,10 @@ def model_class(cfg: ModelConfig) -> type[torch.nn.Module]:
     """The kvos module of ``cfg.arch``: ``forward(input_ids, positions, kv_caches, metas,
     backend)``, ``compute_logits``, ``load_hf_weights``, ``setup_rope(device)`` and
     ``layer_rotary(layer)`` (the rotary table of a layer's keys)."""
+    if cfg.vision is not None and cfg.vision.family == "idefics3":
+        from kvos.models.idefics3 import Idefics3ForConditionalGeneration
+
+        return Idefics3ForConditionalGeneration
     if cfg.arch == "gemma3" and cfg.vision is not None:
         from kvos.models.gemma3_vlm import Gemma3ForConditionalGeneration
 

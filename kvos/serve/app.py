@@ -290,7 +290,8 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
             if images:  # decoded and preprocessed on a worker thread, each error naming its part
                 prepared = await state.tokenizers.run(lambda tok: [media.prepare(src, where) for where, src in images])
                 ids = await state.tokenizers.run(lambda tok: chat_prompt_ids(
-                    tok, messages, tools=template_tools, expand=lambda text: expand_image_text(text, tok, media.vision)))
+                    tok, messages, tools=template_tools,
+                    expand=lambda text: expand_image_text(text, tok, media.vision, prepared)))
                 spans = ()
             else:
                 ids, spans = await state.tokenizers.run(lambda tok: _chat_ids_and_spans(

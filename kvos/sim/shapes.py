@@ -111,6 +111,12 @@ GEMMA3_SIGLIP = VisionShape(hidden=1152, intermediate=4304, layers=27, heads=16,
                             tokens_per_image=256, image_token_id=262144, boi_token_id=255999, eoi_token_id=256000)
 """Gemma 3's vision tower (4B and larger): SigLIP so400m at 896 px, 256 tokens per image."""
 
+SMOLVLM_SIGLIP = VisionShape(hidden=768, intermediate=3072, layers=12, heads=12, image_size=512, patch_size=16,
+                             tokens_per_image=64, image_token_id=49190, boi_token_id=-1, eoi_token_id=-1,
+                             bidirectional=False, family="idefics3", scale_factor=4, max_tiles_per_side=4)
+"""SmolVLM-256M/500M's vision side as their model card gives it: SigLIP base-patch16 at 512 px,
+pixel shuffle 4 (64 tokens per tile), tiles of 512 up to a 2048 px longest edge."""
+
 PRESETS: dict[str, ModelShape] = {s.name: s for s in [
     ModelShape("llama-3-70b", 80, 64, 8, 128, 8192, 28672, 128256),
     ModelShape("llama-3.1-8b", 32, 32, 8, 128, 4096, 14336, 128256),
@@ -119,6 +125,7 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in [
     ModelShape("qwen2.5-7b", 28, 28, 4, 128, 3584, 18944, 152064),
     ModelShape("qwen3-8b", 36, 32, 8, 128, 4096, 12288, 151936),
     ModelShape("smollm2-135m", 30, 9, 3, 64, 576, 1536, 49152, tie_embeddings=True),
+    ModelShape("smolvlm-256m", 30, 9, 3, 64, 576, 1536, 49280, tie_embeddings=True, vision=SMOLVLM_SIGLIP),
     ModelShape("gemma-3-270m", 18, 4, 1, 256, 640, 2048, 262144, tie_embeddings=True,
                sliding_window=512, sliding_layers=15),
     ModelShape("gemma-3-12b", 48, 16, 8, 256, 3840, 15360, 262208, tie_embeddings=True,
@@ -169,7 +176,8 @@ def shape_from_hf_config(cfg: dict, name: str = "") -> ModelShape:
         intermediate_size=text["intermediate_size"], vocab_size=text["vocab_size"],
         tie_embeddings=cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
         sliding_window=window if sliding else None, sliding_layers=sliding,
-        layer_types=tuple(types) if types and sliding else None)
+        layer_types=tuple(types) if types and sliding else None,
+        vision=ModelConfig.from_hf(cfg).vision if SUPPORTED_ARCHS.get(archs[0]) == "idefics3" else None)
 
 
 def _gemma3_shape(cfg: dict, name: str) -> ModelShape:
@@ -222,6 +230,18 @@ def shape_from_gguf(path: Path) -> ModelShape:
         sliding_layers=sliding, num_params=int(sum(int(t.n_elements) for t in r.tensors)))
 
 
+def _processor_tiles(folder: Path) -> int | None:
+    """An Idefics3-style processor's tiles per side (its ``size`` over its ``max_image_size``
+    longest edges), read from the folder's processor config; None without one."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        if (folder / name).exists():
+            cfg = json.loads((folder / name).read_text())
+            cfg = cfg.get("image_processor", cfg)
+            size, tile = (cfg.get("size") or {}).get("longest_edge"), (cfg.get("max_image_size") or {}).get("longest_edge")
+            return max(1, -(-size // tile)) if size and tile else None
+    return None
+
+
 def resolve_shape(model: str) -> ModelShape:
     """A preset name, a config.json (or a folder holding one), or a .gguf file."""
     if model.lower() in PRESETS:
@@ -232,6 +252,10 @@ def resolve_shape(model: str) -> ModelShape:
     if path.suffix == ".gguf" and path.exists():
         return shape_from_gguf(path)
     if path.exists():
-        return shape_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        cfg = json.loads(path.read_text())
+        tiles = _processor_tiles(path.parent)
+        if tiles is not None:
+            cfg["max_tiles_per_side"] = tiles
+        return shape_from_hf_config(cfg, name=path.parent.name or path.stem)
     raise ValueError(f"model: {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                      f"config.json / .gguf path")

@@ -79,3 +79,79 @@ def write_checkpoint(folder: Path) -> Path:
         tokenizer=tok, chat_template=CHAT_TEMPLATE, image_seq_length=IMAGE_TOKENS)
     processor.save_pretrained(folder)
     return folder
+
+
+IDEFICS3_SIZE = 32
+IDEFICS3_PATCH = 4
+IDEFICS3_TOKENS = 16
+"""Soft tokens per tile: 8 x 8 patches pixel-shuffled 2 x 2."""
+IDEFICS3_TILES = 3
+"""Tiles per side of the largest image (the processor's longest edge over the tile)."""
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'] is string %}"
+    "{{': ' + message['content']}}{% else %}{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}"
+    "{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+"""SmolVLM's chat template (transformers' default for its processor)."""
+IDEFICS3_SPECIALS = (["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                      "<global-img>"] + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
+
+
+def write_idefics3_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([CORPUS + "User: Assistant: " * 20], trainers.BpeTrainer(
+        vocab_size=420, special_tokens=IDEFICS3_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|endoftext|>",
+        additional_special_tokens=IDEFICS3_SPECIALS[2:])
+    fast.chat_template = IDEFICS3_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def write_idefics3_checkpoint(folder: Path, smolvlm: bool = False) -> Path:
+    """A seeded random ``Idefics3ForConditionalGeneration`` (Llama text model) saved as an HF
+    folder with its processor; ``smolvlm``: the same weights declared as
+    ``SmolVLMForConditionalGeneration``. Returns the folder."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = write_idefics3_tokenizer(folder)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in IDEFICS3_SPECIALS}
+    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                rope_theta=10000.0, bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<end_of_utterance>"],
+                pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=IDEFICS3_SIZE, patch_size=IDEFICS3_PATCH)
+    cfg = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2, image_token_id=ids["<image>"],
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(cfg)
+    with torch.no_grad():  # a sharper model than the initializer's, so greedy ties are rare
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "norm" not in name:
+                p.mul_(4.0)
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(size={"longest_edge": IDEFICS3_TILES * IDEFICS3_SIZE},
+                                                  max_image_size={"longest_edge": IDEFICS3_SIZE}),
+        tokenizer=tok, chat_template=IDEFICS3_TEMPLATE, image_seq_len=IDEFICS3_TOKENS)
+    processor.save_pretrained(folder)
+    if smolvlm:
+        import json
+
+        path = folder / "config.json"
+        c = json.loads(path.read_text())
+        c.update(architectures=["SmolVLMForConditionalGeneration"], model_type="smolvlm")
+        path.write_text(json.dumps(c, indent=2))
+    return folder
