@@ -115,11 +115,15 @@ def write_idefics3_tokenizer(folder: Path):
     return fast
 
 
-def write_idefics3_checkpoint(folder: Path, smolvlm: bool = False) -> Path:
+def write_idefics3_checkpoint(folder: Path) -> Path:
     """A seeded random ``Idefics3ForConditionalGeneration`` (Llama text model) saved as an HF
-    folder with its processor; ``smolvlm``: the same weights declared as
-    ``SmolVLMForConditionalGeneration``. Returns the folder."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor
+    folder with its processor; returns the folder."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = write_idefics3_tokenizer(folder)
@@ -147,11 +151,4 @@ def write_idefics3_checkpoint(folder: Path, smolvlm: bool = False) -> Path:
                                                   max_image_size={"longest_edge": IDEFICS3_SIZE}),
         tokenizer=tok, chat_template=IDEFICS3_TEMPLATE, image_seq_len=IDEFICS3_TOKENS)
     processor.save_pretrained(folder)
-    if smolvlm:
-        import json
-
-        path = folder / "config.json"
-        c = json.loads(path.read_text())
-        c.update(architectures=["SmolVLMForConditionalGeneration"], model_type="smolvlm")
-        path.write_text(json.dumps(c, indent=2))
     return folder
