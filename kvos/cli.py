@@ -167,7 +167,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise SystemExit("--decode-engines needs --prefill-engines")
     if a.prefill_engines and a.data_parallel > 1:
         raise SystemExit("--data-parallel and --prefill-engines/--decode-engines exclude each other")
-    several = a.data_parallel > 1 or bool(a.prefill_engines)
+    several = a.data_parallel > 1 or bool(a.prefill_engines) or bool(a.encoder_engines)
     transport = a.transport
     if transport == "auto":
         cuda = resolve_device(str(a.device)).startswith("cuda")
@@ -193,7 +193,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                     router.router, a.ray_address, router.kv_weight,
                                     prefill_engines=a.prefill_engines or 0, transport=transport,
                                     router_balance=router.router_balance, engine_timeout_s=a.engine_timeout_s,
-                                    max_restarts=a.engine_max_restarts)
+                                    max_restarts=a.engine_max_restarts, encoder_engines=a.encoder_engines or 0)
         model_path = (resolve_config_path if kwargs.get("random_weights") else resolve_model_path)(kwargs["model"])
     else:
         local = LLMEngine(EngineConfig(**engine_kwargs(a)))
@@ -316,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--prefill-engines", type=positive(int), default=None, metavar="P",
                     help="disaggregated prefill: P engines compute prompts and send their KV blocks to the decode "
                          "engines (--decode-engines), which generate")
+    dp.add_argument("--encoder-engines", type=positive(int), default=None, metavar="E",
+                    help="a vision-language model: E engines that only run the image encoder (E/PD); the "
+                         "language engines receive encodings (docs/images.md)")
     dp.add_argument("--decode-engines", type=positive(int), default=None, metavar="D",
                     help="with --prefill-engines: D engines that generate (default 1)")
     dp.add_argument("--ray-address", default=None,

@@ -14,12 +14,16 @@ class MediaItem:
     (``cache_salt``). The encoder cache is keyed by it, and every KV block holding any of its
     positions hashes it, so two different images never share KV and one tenant never finds
     another's encoding. ``data``: the encoder's input (the processed pixel array), never hashed
-    or compared; needed only while the image's positions are still to be computed."""
+    or compared; needed only while the image's positions are still to be computed, unless
+    ``encoded`` holds the encoder's output computed elsewhere (an encoder engine), which the
+    runner stores as if it had run the encoder. An item with neither can only be served from
+    the encoder cache."""
 
     offset: int
     length: int
     key: str
     data: object = field(default=None, compare=False, repr=False)
+    encoded: object = field(default=None, compare=False, repr=False)
 
     @property
     def end(self) -> int:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
@@ -32,7 +33,13 @@ from kvos.engine.client import (
     OutputChannel,
     RequestStream,
 )
-from kvos.engine.media import ImagePreparer, MediaLimits, expand_image_text, media_items
+from kvos.engine.media import (
+    ImagePreparer,
+    MediaLimits,
+    expand_image_text,
+    media_items,
+    tile_key,
+)
 from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router, make_router
 
 log = logging.getLogger("kvos.distributed")
@@ -88,6 +95,8 @@ class RouterStats:
     the request with them stored."""
     transferred_bytes: int = 0
     """Bytes of the blocks stored (known where the rows pass through the front end)."""
+    encoder_routed: int = 0
+    """Requests sent, against the router's choice, to the engine holding their images' encodings."""
 
 
 class DataParallelEngine:
@@ -114,19 +123,37 @@ class DataParallelEngine:
     host's GPUs pass a CUDA IPC handle and the decode engine copies the blocks GPU to GPU into
     its pool (prefix hits there); else host rows travel (through this process) into its
     transfer tier (tier hits). Engines ``0 .. num_engines - 1`` decode; ``num_engines ..`` prefill.
+
+    Encoder engines (``encoder_engines`` E > 0, a vision-language model): E more workers hold
+    only the image encoder's work (``EncoderWorker``; on a GPU host, the GPUs after the language
+    engines'). Once a request's engine is chosen, the tiles of its images that engine is not
+    believed to hold are encoded on an encoder engine and travel as encodings (without pixels);
+    the engine stores them in its encoder cache as if it had run the encoder. The front end
+    remembers which tile keys it sent to each engine (``ENCODER_MEMORY`` per engine, least
+    recently sent first out): an image believed held travels as pixels, so an engine that evicted
+    it encodes it itself. Routing is image-aware: the KV-aware router follows the image keys in
+    the block hashes; when it predicts no KV hit, an engine believed to hold all the request's
+    encodings takes it unless it is busier than the router's choice by more than
+    ``ENCODER_HOLDER_SLACK`` requests. An encoder engine that fails or misses its deadline is
+    skipped (the language engine encodes).
     """
+
+    ENCODER_MEMORY = 4096
+    ENCODER_HOLDER_SLACK = 4
 
     def __init__(self, engine_kwargs: dict, num_engines: int, router: str = "kv_aware",
                  address: str | None = None, kv_weight: float = DEFAULT_KV_WEIGHT, max_restarts: int = 3,
                  poll_s: float = 0.2, prefill_engines: int = 0, transport: str = "ray",
                  router_balance: tuple[int, float] = DEFAULT_BALANCE,
-                 engine_timeout_s: float = ENGINE_TIMEOUT_S) -> None:
+                 engine_timeout_s: float = ENGINE_TIMEOUT_S, encoder_engines: int = 0) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_engines < 1:
             raise ValueError(f"data_parallel must be >= 1, got {num_engines}")
         if prefill_engines < 0:
             raise ValueError(f"prefill_engines must be >= 0, got {prefill_engines}")
+        if encoder_engines < 0:
+            raise ValueError(f"encoder_engines must be >= 0, got {encoder_engines}")
         if not engine_timeout_s > 0:
             raise ValueError(f"engine_timeout_s must be > 0, got {engine_timeout_s}")
         self.engine_timeout_s = engine_timeout_s
@@ -178,6 +205,25 @@ class DataParallelEngine:
         self._inflight: dict[str, _InFlight] = {}
         self._tasks: list[asyncio.Task] = []
         self._closed: str | None = None
+        self._held: list[OrderedDict[str, None]] = [OrderedDict() for _ in range(total)]
+        """Tile keys sent to each engine (as pixels or encodings): believed in its encoder cache."""
+        self.encoders: RayEngines | ProcessEngines | None = None
+        self.encoder_down: list[bool] = []
+        self.encoder_engine_stats = {"encoder_engine_runs": 0, "encoder_engine_seconds": 0.0,
+                                     "encoder_engine_failures": 0, "encodings_sent": 0}
+        self._next_encoder = 0
+        if encoder_engines:
+            if self.info.vision is None:
+                self.shutdown()
+                raise ValueError("encoder_engines: the model takes no images")
+            ekw = [{**engine_kwargs, "role": "encoder"}] * encoder_engines
+            try:
+                self.encoders = (RayEngines(ekw, address, max_restarts) if transport == "ray"
+                                 else ProcessEngines(ekw, max_restarts, gpu_offset=total))
+            except BaseException:
+                self.shutdown()
+                raise
+            self.encoder_down = [False] * encoder_engines
 
     # -- the EngineClient interface --------------------------------------------------------
     def start(self) -> None:
@@ -195,6 +241,8 @@ class DataParallelEngine:
         for t in self._tasks:
             t.cancel()
         self.engines.shutdown()
+        if self.encoders is not None:
+            self.encoders.shutdown()
 
     async def _call(self, i: int, method: str, *args, timeout: float | None = None):
         """``engines.call`` with a deadline (``engine_timeout_s`` unless given): ``EngineHung``
@@ -335,7 +383,7 @@ class DataParallelEngine:
         while True:
             if not self.engines_up():
                 raise EngineUnavailable("no engine is up to take this request; retry later")
-            e = self.router.choose(rec.hashes, self.loads[: self.num_decode])
+            e = self._prefer_holder(self.router.choose(rec.hashes, self.loads[: self.num_decode]), rec)
             rec.engine, rec.predicted = e, self.router.predicted_hits(e, rec.hashes)
             rec.output, rec.accepted = None, False
             self._inflight[rec.request_id] = rec
@@ -370,10 +418,12 @@ class DataParallelEngine:
                 found = await self._call(source, "take_export", f"{rec.request_id}-prefill", rec.predicted)
             except Exception as err:
                 log.warning("blocks of %s could not be read on its prefill engine (%s)", rec.request_id, err)
+        media = await self._encode_images(e, rec)
         try:
             stored = await self._call(e, "add", rec.request_id, rec.prompt["prompt_token_ids"], rec.params,
                                       rec.priority, rec.salt, None, False, found,
-                                      rec.prompt.get("segment_spans") or (), rec.prompt.get("multi_modal_data"))
+                                      rec.prompt.get("segment_spans") or (), media)
+            self._remember_held(e, rec)
         finally:
             if found is not None and isinstance(found.rows, DeviceRows):
                 self.engines.notify(source, "transfer_done", found.rows.nbytes)
@@ -381,6 +431,78 @@ class DataParallelEngine:
             self.router_stats.transferred_blocks += stored
             self.router_stats.transfer_s += time.perf_counter() - t0
             self.router_stats.transferred_bytes += found.nbytes * stored // len(found.hashes)
+
+    # -- images: encoder engines and image-aware routing -----------------------------------
+    def _tile_keys(self, rec: _InFlight) -> list[str]:
+        data = rec.prompt.get("multi_modal_data")
+        return [tile_key(im, t, rec.salt) for im in data["image"] for t in range(im.num_tiles)] if data else []
+
+    def _prefer_holder(self, e: int, rec: _InFlight) -> int:
+        """The router's choice ``e``, or (no KV hit predicted there) an engine believed to hold
+        every encoding of ``rec``'s images and at most ``ENCODER_HOLDER_SLACK`` requests busier."""
+        keys = self._tile_keys(rec)
+        if not keys or self.router.predicted_hits(e, rec.hashes) > 0 or all(k in self._held[e] for k in keys):
+            return e
+        busy = self.loads[e].waiting + self.loads[e].running
+        for h in range(self.num_decode):
+            if (h != e and not self.down[h] and all(k in self._held[h] for k in keys)
+                    and self.loads[h].waiting + self.loads[h].running <= busy + self.ENCODER_HOLDER_SLACK):
+                self.router_stats.encoder_routed += 1
+                return h
+        return e
+
+    def _remember_held(self, e: int, rec: _InFlight) -> None:
+        held = self._held[e]
+        for k in self._tile_keys(rec):
+            held[k] = None
+            held.move_to_end(k)
+        while len(held) > self.ENCODER_MEMORY:
+            held.popitem(last=False)
+
+    async def _encode_images(self, e: int, rec: _InFlight) -> dict | None:
+        """``rec``'s ``multi_modal_data`` for engine ``e``: images with a tile ``e`` is not
+        believed to hold are encoded on an encoder engine (one batch) and go as encodings; the
+        rest as they are. Without encoder engines, or when none answers, unchanged."""
+        data = rec.prompt.get("multi_modal_data")
+        if self.encoders is None or not data:
+            return data
+        images = data["image"]
+        todo = [i for i, im in enumerate(images) if im.tiles is not None and not all(
+            tile_key(im, t, rec.salt) in self._held[e] for t in range(im.num_tiles))]
+        if not todo:
+            return data
+        encodings = await self._run_encoder([tile for i in todo for tile in images[i].tiles])
+        if encodings is None:
+            return data
+        out, at = list(images), 0
+        for i in todo:
+            n = images[i].num_tiles
+            out[i] = images[i].encoded(encodings[at: at + n])
+            at += n
+        self.encoder_engine_stats["encodings_sent"] += len(encodings)
+        return {**data, "image": out}
+
+    async def _run_encoder(self, tiles: list) -> list | None:
+        """``tiles`` encoded on the next encoder engine that answers within the deadline; None
+        when none does (the language engine encodes them)."""
+        assert self.encoders is not None
+        n = len(self.encoder_down)
+        for _ in range(n):
+            j, self._next_encoder = self._next_encoder % n, self._next_encoder + 1
+            if self.encoder_down[j]:
+                continue
+            t0 = time.perf_counter()
+            try:
+                out = await asyncio.wait_for(self.encoders.call(j, "encode", tiles), self.engine_timeout_s)
+            except Exception as err:
+                log.warning("encoder engine %d failed (%r); it is skipped", j, err)
+                self.encoder_down[j] = True
+                self.encoder_engine_stats["encoder_engine_failures"] += 1
+                continue
+            self.encoder_engine_stats["encoder_engine_runs"] += len(tiles)
+            self.encoder_engine_stats["encoder_engine_seconds"] += time.perf_counter() - t0
+            return out
+        return None
 
     def abort(self, request_id: str) -> None:
         rec = self._inflight.pop(request_id, None)
@@ -645,5 +767,8 @@ class DataParallelEngine:
                              "state": self.down_reason[i] or "up", **s}
                             for i, (s, d) in enumerate(zip(self.engine_stats, self.down))]
         total["router"] = {"policy": self.router_name, **vars(self.router_stats)}
+        if self.encoders is not None:
+            total["encoder_engines"] = {**self.encoder_engine_stats, "up": self.encoder_down.count(False),
+                                        "engines": len(self.encoder_down)}
         return total
 

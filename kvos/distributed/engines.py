@@ -47,8 +47,6 @@ class RayEngines:
     def __init__(self, kwargs: list[dict], address: str | None, max_restarts: int) -> None:
         import ray
 
-        from kvos.distributed.worker import EngineWorker
-
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=True,
@@ -56,14 +54,19 @@ class RayEngines:
         n = len(kwargs)
         per_gpu = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
         threads = max(1, int(ray.cluster_resources().get("CPU", 1) // n))
-        self._worker = ray.remote(EngineWorker)
         self._options = dict(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts, max_concurrency=RPC_THREADS)
         self._threads = threads
-        self.actors = [self._worker.options(**self._options).remote(kwargs[i], i, threads) for i in range(n)]
+        self.actors = [self._start(kwargs[i], i) for i in range(n)]
+
+    def _start(self, kwargs: dict, i: int):
+        import ray
+
+        cls, kwargs = worker_class(kwargs)
+        return ray.remote(cls).options(**self._options).remote(kwargs, i, self._threads)
 
     def add_engine(self, kwargs: dict) -> int:
         """Start one more engine actor; returns its index."""
-        self.actors.append(self._worker.options(**self._options).remote(kwargs, len(self.actors), self._threads))
+        self.actors.append(self._start(kwargs, len(self.actors)))
         return len(self.actors) - 1
 
     def stop_engine(self, i: int) -> None:
@@ -112,6 +115,19 @@ class RayEngines:
             ray.shutdown()
 
 
+def worker_class(kwargs: dict) -> tuple[type, dict]:
+    """The worker an engine's keywords ask for (``role``: ``"encoder"`` for an
+    ``EncoderWorker``, else an ``EngineWorker``) and the keywords it takes."""
+    rest = {k: v for k, v in kwargs.items() if k != "role"}
+    if kwargs.get("role") == "encoder":
+        from kvos.distributed.encoder_worker import EncoderWorker
+
+        return EncoderWorker, rest
+    from kvos.distributed.worker import EngineWorker
+
+    return EngineWorker, rest
+
+
 def _serve_engine(conn, kwargs: dict, index: int, threads: int, gpu: str | None, log_level: int) -> None:
     """An engine process: build the ``EngineWorker``, then answer calls until the pipe closes.
     Calls run on a pool of threads (a ``poll`` waits for news while an ``add`` goes through);
@@ -119,10 +135,9 @@ def _serve_engine(conn, kwargs: dict, index: int, threads: int, gpu: str | None,
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvos.distributed.worker import EngineWorker
-
     try:
-        worker = EngineWorker(kwargs, index, threads)
+        cls, kwargs = worker_class(kwargs)
+        worker = cls(kwargs, index, threads)
     except BaseException as err:  # the parent's start-up call sees it
         conn.send((0, False, RuntimeError(f"engine {index} failed to start: {err!r}")))
         return
@@ -232,16 +247,22 @@ class ProcessEngines:
     """One ``EngineWorker`` per local process (``spawn``), no Ray: ``kvos serve --transport
     process``. With a GPU per engine, engine ``i``'s device is GPU ``i`` (first in its
     ``CUDA_VISIBLE_DEVICES``; the others stay visible for CUDA IPC).
-    A dead process is started anew by ``revive``, up to ``max_restarts`` times per engine."""
+    A dead process is started anew by ``revive``, up to ``max_restarts`` times per engine.
+    ``gpu_offset`` (encoder engines beside language engines): engine ``i`` takes GPU
+    ``(gpu_offset + i) % GPUs``, sharing a GPU when there are fewer."""
 
-    def __init__(self, kwargs: list[dict], max_restarts: int) -> None:
+    def __init__(self, kwargs: list[dict], max_restarts: int, gpu_offset: int | None = None) -> None:
         n = len(kwargs)
         self._ctx = mp.get_context("spawn")
         self._kwargs = kwargs
         gpus = _visible_gpus() if any(k.get("device", "auto") != "cpu" for k in kwargs) else []
         # engine i's own GPU first (its "cuda"), the others after it: visible, so that CUDA IPC
         # handles of another engine's memory open there (disaggregated prefill)
-        self._gpu = [",".join(gpus[i:] + gpus[:i]) if len(gpus) >= n else None for i in range(n)]
+        if gpu_offset is not None and gpus:
+            rot = [(gpu_offset + i) % len(gpus) for i in range(n)]
+            self._gpu = [",".join(gpus[r:] + gpus[:r]) for r in rot]
+        else:
+            self._gpu = [",".join(gpus[i:] + gpus[:i]) if len(gpus) >= n else None for i in range(n)]
         self.device_transfer = bool(gpus)
         """The engines are processes of this host on its GPUs: KV moves between them by CUDA IPC."""
         self._threads = max(1, (os.cpu_count() or 1) // n)

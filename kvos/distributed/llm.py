@@ -14,7 +14,8 @@ from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT
 
 class DataParallelLLM:
     """``num_engines`` engines of one model (``engine_kwargs`` are ``LLM``'s keywords) behind
-    ``router``; ``prefill_engines`` > 0 adds engines that only prefill (disaggregated).
+    ``router``; ``prefill_engines`` > 0 adds engines that only prefill (disaggregated);
+    ``encoder_engines`` > 0 adds engines that only run a vision model's image encoder (E/PD).
     ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray). ``kv_weight``
     and ``router_balance``: kv_aware's cost weight and balance guard (``kvos.router.policies``).
 
@@ -25,10 +26,11 @@ class DataParallelLLM:
 
     def __init__(self, num_engines: int = 2, router: str = "kv_aware", prefill_engines: int = 0,
                  ray_address: str | None = None, transport: str = "ray", kv_weight: float = DEFAULT_KV_WEIGHT,
-                 router_balance: tuple[int, float] = DEFAULT_BALANCE, **engine_kwargs) -> None:
+                 router_balance: tuple[int, float] = DEFAULT_BALANCE, encoder_engines: int = 0,
+                 **engine_kwargs) -> None:
         self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address, kv_weight,
                                          prefill_engines=prefill_engines, transport=transport,
-                                         router_balance=router_balance)
+                                         router_balance=router_balance, encoder_engines=encoder_engines)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvos-dp-loop", daemon=True)
         self._thread.start()

@@ -795,7 +795,8 @@ class LLMEngine:
             cache = self.kv.encoder.stats() if self.kv.encoder is not None else {
                 "encoder_cache_hits": 0, "encoder_cache_evictions": 0, "encoder_cache_entries": 0,
                 "encoder_cache_bytes": 0, "encoder_cache_pages": 0, "encoder_cache_capacity_bytes": 0}
-            s["encoder"] = {"encoder_runs": self.runner.encoder_runs, **cache}
+            s["encoder"] = {"encoder_runs": self.runner.encoder_runs,
+                            "encodings_received": self.runner.encodings_received, **cache}
         if self.speculative is not None:
             s["speculative"] = {"method": self.speculative.method,
                                 "num_speculative_tokens": self.speculative.num_speculative_tokens,

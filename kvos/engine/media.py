@@ -129,11 +129,24 @@ def salted_key(content: str, cache_salt: str | None) -> str:
 class PreparedImage:
     """An image decoded and preprocessed once: its content hash and the encoder's inputs,
     ``tiles [n, 3, S, S]`` float32 (one for Gemma 3; Idefics3: ``rows x cols`` crops in row order,
-    then the global view, or the global view alone when ``grid`` is ``(0, 0)``)."""
+    then the global view, or the global view alone when ``grid`` is ``(0, 0)``).
+    ``encodings``: the tiles' encoder outputs ``[tokens_per_image, hidden]`` each, computed by an
+    encoder engine; then ``tiles`` may be None (the pixels need not travel further)."""
 
     content: str
-    tiles: np.ndarray
+    tiles: np.ndarray | None
     grid: tuple[int, int] = (0, 0)
+    encodings: tuple | None = None
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self.encodings) if self.tiles is None else len(self.tiles)
+
+    def encoded(self, encodings: Sequence) -> PreparedImage:
+        """This image with its tiles' encodings and without its pixels."""
+        if len(encodings) != self.num_tiles:
+            raise ValueError(f"{len(encodings)} encodings for an image of {self.num_tiles} tiles")
+        return PreparedImage(self.content, None, self.grid, tuple(encodings))
 
 
 class ImagePreparer:
@@ -267,8 +280,9 @@ def media_items(ids: Sequence[int], images: Sequence[PreparedImage], vision: Vis
     per tile, keyed by the image's salted key (and the tile's index when it has several).
     ``ValueError`` naming ``multi_modal_data`` when the counts or a run's length do not match."""
     spans = image_spans(ids, vision)
-    tiles = [(salted_key(im.content, cache_salt) + (f"/{t}" if len(im.tiles) > 1 else ""), im.tiles[t])
-             for im in images for t in range(len(im.tiles))]
+    tiles = [(tile_key(im, t, cache_salt), im.tiles[t] if im.tiles is not None else None,
+              im.encodings[t] if im.encodings is not None else None)
+             for im in images for t in range(im.num_tiles)]
     if len(spans) != len(tiles):
         raise ValueError(f"multi_modal_data: the prompt holds {len(spans)} image token run(s) (of token "
                          f"{vision.image_token_id}) and the {len(images)} image(s) given make {len(tiles)}")
@@ -276,4 +290,10 @@ def media_items(ids: Sequence[int], images: Sequence[PreparedImage], vision: Vis
         if e - s != vision.tokens_per_image:
             raise ValueError(f"multi_modal_data: an image takes {vision.tokens_per_image} image tokens; the prompt "
                              f"has a run of {e - s} at position {s}")
-    return tuple(MediaItem(s, e - s, key, pixels) for (s, e), (key, pixels) in zip(spans, tiles))
+    return tuple(MediaItem(s, e - s, key, pixels, enc) for (s, e), (key, pixels, enc) in zip(spans, tiles))
+
+
+def tile_key(image: PreparedImage, tile: int, cache_salt: str | None) -> str:
+    """The encoder cache's key of one tile: the image's salted key (and the tile's index when
+    the image has several)."""
+    return salted_key(image.content, cache_salt) + (f"/{tile}" if image.num_tiles > 1 else "")

@@ -99,6 +99,8 @@ class _EngineCollector(Collector):
         encoder = s.get("encoder")
         if encoder is not None:
             yield from _encoder_families(encoder)
+        if s.get("encoder_engines") is not None:
+            yield from _encoder_engine_families(s["encoder_engines"])
         spec = s.get("speculative")
         if spec is not None:
             yield from _spec_families(spec)
@@ -110,8 +112,10 @@ class _EngineCollector(Collector):
 
 def _encoder_families(e: dict) -> Iterator:
     """A vision-language model's image encoder and its cache of encodings."""
-    yield CounterMetricFamily("kvos:encoder_runs", "Images run through the encoder (cache misses).",
-                              value=e["encoder_runs"])
+    yield CounterMetricFamily("kvos:encoder_runs", "Image tiles run through a language engine's encoder (cache "
+                              "misses not encoded by an encoder engine).", value=e["encoder_runs"])
+    yield CounterMetricFamily("kvos:encodings_received", "Encodings an encoder engine computed, stored by a "
+                              "language engine.", value=e.get("encodings_received", 0))
     yield CounterMetricFamily("kvos:encoder_cache_hits", "Images whose encoding came from the encoder cache.",
                               value=e["encoder_cache_hits"])
     yield CounterMetricFamily("kvos:encoder_cache_evictions", "Encodings evicted to make room.",
@@ -120,6 +124,17 @@ def _encoder_families(e: dict) -> Iterator:
                             value=e["encoder_cache_bytes"])
     yield GaugeMetricFamily("kvos:encoder_cache_capacity_bytes", "The encoder cache's size (--encoder-cache-mb).",
                             value=e["encoder_cache_capacity_bytes"])
+
+
+def _encoder_engine_families(e: dict) -> Iterator:
+    """Encoder engines (E/PD): tiles they encoded, their time, failures, and how many are up."""
+    yield CounterMetricFamily("kvos:encoder_engine_runs", "Image tiles encoded on encoder engines.",
+                              value=e["encoder_engine_runs"])
+    yield CounterMetricFamily("kvos:encoder_engine_seconds", "Wall time of encoder engines' calls, seen by the "
+                              "front end.", value=e["encoder_engine_seconds"])
+    yield CounterMetricFamily("kvos:encoder_engine_failures", "Encoder engine calls that failed or timed out.",
+                              value=e["encoder_engine_failures"])
+    yield GaugeMetricFamily("kvos:encoder_engines_up", "Encoder engines taking work.", value=e["up"])
 
 
 def _spec_families(spec: dict) -> Iterator:

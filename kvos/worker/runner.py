@@ -146,6 +146,8 @@ class ModelRunner:
         """The pool's encoder slots' size (``EncoderPages``; set by the engine), 0: none."""
         self.encoder_runs = 0
         """Images run through the encoder."""
+        self.encodings_received = 0
+        """Encodings an encoder engine computed, stored here as if encoded (``MediaItem.encoded``)."""
         self.hidden_hook: Callable[[list[tuple[str, int]], torch.Tensor], None] | None = None
         """Called after each forward pass with ((request id, position) per row, the final hidden
         states ``[rows, hidden]``): an aid for benchmarks (``kvos bench segments`` computes the
@@ -623,22 +625,30 @@ class ModelRunner:
                 continue
             if cached:
                 out[m.key] = self._slot_bytes(slots).reshape(-1)[:nbytes].view(self.dtype).view(shape)
+            elif m.encoded is not None:  # an encoder engine's output
+                enc = torch.as_tensor(m.encoded).to(self.device, self.dtype)
+                if tuple(enc.shape) != shape:
+                    raise RuntimeError(f"image {m.key[:12]}: an encoding of shape {tuple(enc.shape)}, not {shape}")
+                out[m.key] = enc
+                self.encodings_received += 1
             else:
                 if m.data is None:
                     raise RuntimeError(f"image {m.key[:12]}: not cached and sent without its pixels")
                 todo[m.key] = m
+        fresh = [k for k in out if not step.encodings.get(k, (False, []))[0]]  # received
         if todo:
             encoded = self._encode(list(todo.values()))
             self.encoder_runs += len(todo)
             for i, key in enumerate(todo):
                 out[key] = encoded[i]
-                slots = step.encodings.get(key, (False, []))[1]
-                if slots:
-                    raw = encoded[i].contiguous().view(-1).view(torch.uint8)
-                    dst = self._slot_bytes(slots)
-                    flat = torch.zeros(dst.numel(), dtype=torch.uint8, device=self.device)
-                    flat[: raw.numel()] = raw
-                    self._slot_view()[torch.tensor(slots, device=self.device)] = flat.view(dst.shape)
+        for key in fresh + list(todo):  # written to the slots reserved for them
+            slots = step.encodings.get(key, (False, []))[1]
+            if slots:
+                raw = out[key].contiguous().view(-1).view(torch.uint8)
+                dst = self._slot_bytes(slots)
+                flat = torch.zeros(dst.numel(), dtype=torch.uint8, device=self.device)
+                flat[: raw.numel()] = raw
+                self._slot_view()[torch.tensor(slots, device=self.device)] = flat.view(dst.shape)
         return out
 
     def _slot_view(self) -> torch.Tensor:
