@@ -259,6 +259,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("state-cache", "state_cache", "a Mamba hybrid: decode and prefill vs roofline, multi-turn TTFT with state prefix caching", True),
     ("tensor-parallel", "tensor_parallel", "one engine over several GPUs: decode vs roofline with the all-reduce measured, throughput", True),
     ("images", "images", "a vision-language model: encoder time vs roofline, TTFT with the encoder cache and image prefix hits", True),
+    ("image-goodput", "image_goodput", "encoder engines (E/PD) vs engines encoding their own images: SLO goodput on an image-heavy workload", True),
     ("state-split", "state_split", "a Mamba hybrid's pool: requests held at once, elastic vs fixed state/KV splits", False),
 ]
 

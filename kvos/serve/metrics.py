@@ -206,6 +206,8 @@ def _router_families(r: dict) -> Iterator:
         ("kvos:router_transferred_blocks", "transferred_blocks", "KV blocks moved from prefill to decode engines."),
         ("kvos:router_transfer_seconds", "transfer_s", "Time spent moving KV blocks to decode engines."),
         ("kvos:router_transferred_bytes", "transferred_bytes", "KV bytes moved to decode engines (where counted)."),
+        ("kvos:router_encoder_routed", "encoder_routed",
+         "Requests sent, against the router's choice, to the engine holding their images' encodings."),
     ]:
         yield CounterMetricFamily(name, doc, value=r[key])
 
