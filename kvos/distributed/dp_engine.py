@@ -240,9 +240,9 @@ class DataParallelEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         for t in self._tasks:
             t.cancel()
-        self.engines.shutdown()
-        if self.encoders is not None:
+        if self.encoders is not None:  # first: the language engines' container may own the Ray session
             self.encoders.shutdown()
+        self.engines.shutdown()
 
     async def _call(self, i: int, method: str, *args, timeout: float | None = None):
         """``engines.call`` with a deadline (``engine_timeout_s`` unless given): ``EngineHung``

@@ -109,6 +109,8 @@ class RayEngines:
     def shutdown(self) -> None:
         import ray
 
+        if not ray.is_initialized():
+            return
         for a in self.actors:
             ray.kill(a, no_restart=True)
         if self._started_ray:
