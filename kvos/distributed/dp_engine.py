@@ -707,6 +707,7 @@ class DataParallelEngine:
             raise ValueError("engine: engines are added to a fleet without prefill engines")
         i = await asyncio.to_thread(self.engines.add_engine, self._engine_kwargs)
         self.loads.append(EngineLoad())
+        self._held.append(OrderedDict())
         self.down.append(False)
         self.down_reason.append(None)
         self.engine_stats.append(await self._call(i, "stats"))

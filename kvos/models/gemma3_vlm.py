@@ -10,7 +10,12 @@ import torch
 from kvos.models.config import ModelConfig
 from kvos.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
 from kvos.models.llama import put, take_weight
-from kvos.models.siglip import Gemma3Projector, SiglipVisionTower, siglip_hf_name
+from kvos.models.siglip import (
+    Gemma3Projector,
+    SiglipVisionTower,
+    siglip_hf_name,
+    split_by_prefix,
+)
 
 _TEXT_PREFIXES = ("model.language_model.model.", "model.language_model.", "language_model.model.",
                   "language_model.")
@@ -23,18 +28,8 @@ def split_vlm_weights(weights: dict[str, torch.Tensor]) -> tuple[dict, dict, dic
     """(text weights named as ``Gemma3ForCausalLM``'s, vision tower's, projector's) from any of
     the layouts transformers has written (``language_model.model.*``, ``model.language_model.*``;
     ``vision_tower[.vision_model].*``)."""
-    text, vision, proj = {}, {}, {}
-    for name, t in weights.items():
-        for prefixes, out, lead in ((_TEXT_PREFIXES, text, "model."), (_VISION_PREFIXES, vision, ""),
-                                    (_PROJECTOR_PREFIXES, proj, "")):
-            hit = next((p for p in prefixes if name.startswith(p)), None)
-            if hit is not None:
-                rest = name[len(hit):]
-                out[rest if rest.startswith("lm_head") else lead + rest] = t
-                break
-        else:
-            if name == "lm_head.weight":
-                text[name] = t
+    text, vision, proj = split_by_prefix(weights, ((_TEXT_PREFIXES, "model."), (_VISION_PREFIXES, ""),
+                                                   (_PROJECTOR_PREFIXES, "")))
     return text, vision, proj
 
 

@@ -10,7 +10,12 @@ from torch import nn
 
 from kvos.models.config import ModelConfig, VisionShape
 from kvos.models.llama import LlamaForCausalLM, put, take_weight
-from kvos.models.siglip import SiglipVisionTower, layer_norm, siglip_hf_name
+from kvos.models.siglip import (
+    SiglipVisionTower,
+    layer_norm,
+    siglip_hf_name,
+    split_by_prefix,
+)
 
 _TEXT_PREFIXES = ("model.text_model.", "text_model.")
 _VISION_PREFIXES = ("model.vision_model.", "vision_model.")
@@ -79,17 +84,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         """The text weights as ``LlamaForCausalLM`` loads them (``model.text_model.*`` read as
         ``model.*``), then the tower's and the connector's. ValueError naming a missing or
         misshapen tensor."""
-        text, vision, connector = {}, {}, {}
-        for name, t in weights.items():
-            for prefixes, out, lead in ((_TEXT_PREFIXES, text, "model."), (_VISION_PREFIXES, vision, ""),
-                                        (_CONNECTOR_PREFIXES, connector, "")):
-                hit = next((p for p in prefixes if name.startswith(p)), None)
-                if hit is not None:
-                    out[lead + name[len(hit):]] = t
-                    break
-            else:
-                if name == "lm_head.weight":
-                    text[name] = t
+        text, vision, connector = split_by_prefix(weights, ((_TEXT_PREFIXES, "model."), (_VISION_PREFIXES, ""),
+                                                            (_CONNECTOR_PREFIXES, "")))
         super().load_hf_weights(text)
         for name, p in self.vision_model.named_parameters():
             hf = siglip_hf_name(name)

@@ -15,6 +15,25 @@ def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
 
 
+def split_by_prefix(weights: dict[str, torch.Tensor], groups) -> list[dict[str, torch.Tensor]]:
+    """A vision-language checkpoint's tensors split by part: ``groups`` is ``(prefixes, lead)``
+    per part; a tensor goes to the first part with a prefix of its name, renamed ``lead + rest``
+    (``rest`` as it is when it starts with ``lm_head``); a top-level ``lm_head.weight`` goes to
+    the first part (the text model). Others are dropped."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in groups]
+    for name, t in weights.items():
+        for (prefixes, lead), part in zip(groups, out):
+            hit = next((p for p in prefixes if name.startswith(p)), None)
+            if hit is not None:
+                rest = name[len(hit):]
+                part[rest if rest.startswith("lm_head") else lead + rest] = t
+                break
+        else:
+            if name == "lm_head.weight":
+                out[0][name] = t
+    return out
+
+
 def siglip_hf_name(name: str) -> str:
     """transformers' name (under ``vision_model.``) of a ``SiglipVisionTower`` parameter."""
     if name.startswith(("patch_embedding.", "position_embedding.")):

@@ -69,17 +69,22 @@ def exported(tmp_path_factory) -> dict[str, str]:
     single = _families(_scrape(AsyncEngine(engine)))
 
     dp_client = AsyncEngine(engine)
-    fleet = SimpleNamespace(engine_stats=[{**engine.stats(), "pid": os.getpid()} for _ in range(2)],
+    encoder = {k: 1 for k in ("encoder_runs", "encodings_received", "encoder_cache_hits", "encoder_cache_evictions",
+                              "encoder_cache_entries", "encoder_cache_bytes", "encoder_cache_pages",
+                              "encoder_cache_capacity_bytes")}  # as a vision-language model's engines report
+    fleet = SimpleNamespace(engine_stats=[{**engine.stats(), "pid": os.getpid(), "encoder": encoder} for _ in range(2)],
                             down=[False, False], down_reason=[None, None], _retired={}, num_decode=1,
                             router_name="kv_aware",
-                            router_stats=RouterStats(routed=[1, 0]))
+                            router_stats=RouterStats(routed=[1, 0]), encoders=object(), encoder_down=[False],
+                            encoder_engine_stats={"encoder_engine_runs": 1, "encoder_engine_seconds": 0.1,
+                                                  "encoder_engine_failures": 0, "encodings_sent": 1})
     dp_client.stats = lambda: DataParallelEngine.stats(fleet)
     data_parallel = _families(_scrape(dp_client))
 
     fams = {**single, **data_parallel}
     for part in ("kvos:kv_cache_group_blocks", "kvos:kv_cache_held_bytes", "kvos:tier_usage_bytes",
                  "kvos:spec_decode_num_drafts", "kvos:engine_up", "kvos:router_requests",
-                 "kvos:time_to_first_token_seconds", "kvos:request_rejected"):
+                 "kvos:time_to_first_token_seconds", "kvos:request_rejected", "kvos:encoder_engine_runs"):
         assert part in fams, f"the rendering no longer covers {part}: {sorted(fams)}"
     return fams
 

@@ -22,23 +22,30 @@ CORPUS = ("the quick brown fox jumps over the lazy dog. what is in this picture?
           "circle on a white page. describe the image in one word. compare these two images.\n\n") * 20
 
 
-def write_tokenizer(folder: Path):
+def bpe_tokenizer(folder: Path, corpus: str, vocab_size: int, specials: list[str], template: str, **tokens):
+    """A byte-level BPE tokenizer trained on ``corpus`` with ``specials`` first, saved to
+    ``folder`` with the chat ``template``; ``tokens``: ``PreTrainedTokenizerFast``'s special-token
+    keywords."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+    tok.train_from_iterator([corpus], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **tokens)
+    fast.chat_template = template
+    fast.save_pretrained(folder)
+    return fast
+
+
+def write_tokenizer(folder: Path):
+    return bpe_tokenizer(
+        folder, CORPUS, 400, SPECIALS, CHAT_TEMPLATE, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"},
         additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
-    return fast
 
 
 def write_checkpoint(folder: Path) -> Path:
@@ -99,20 +106,10 @@ IDEFICS3_SPECIALS = (["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<f
 
 
 def write_idefics3_tokenizer(folder: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([CORPUS + "User: Assistant: " * 20], trainers.BpeTrainer(
-        vocab_size=420, special_tokens=IDEFICS3_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|endoftext|>",
+    return bpe_tokenizer(
+        folder, CORPUS + "User: Assistant: " * 20, 420, IDEFICS3_SPECIALS, IDEFICS3_TEMPLATE,
+        bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|endoftext|>",
         additional_special_tokens=IDEFICS3_SPECIALS[2:])
-    fast.chat_template = IDEFICS3_TEMPLATE
-    fast.save_pretrained(folder)
-    return fast
 
 
 def write_idefics3_checkpoint(folder: Path) -> Path:
