@@ -38,7 +38,6 @@ from kvos.engine.media import (
     MediaLimits,
     expand_image_text,
     media_items,
-    tile_key,
 )
 from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router, make_router
 
@@ -72,6 +71,8 @@ class _InFlight:
     accepted: bool = False
     """``engine`` took it (its ``add`` returned); until then a failure of ``engine`` is handled
     by the ``_send`` that is adding it, not by ``_engine_down``."""
+    tile_keys: tuple[str, ...] = ()
+    """Its images' tiles' encoder-cache keys, in prompt order (``MediaItem.key``)."""
 
 
 @dataclass
@@ -260,9 +261,10 @@ class DataParallelEngine:
             raise EngineHung(f"engine {i} did not answer {method} within {limit:.0f} s")
         return task.result()
 
-    def _hashes(self, prompt: dict, salt: str | None) -> list[bytes]:
-        """The prompt's block hashes as its engine computes them: with its images' keys in the
-        blocks that hold their tokens (so the KV-aware router follows an image's KV)."""
+    def _hashes(self, prompt: dict, salt: str | None) -> tuple[list[bytes], tuple[str, ...]]:
+        """The prompt's block hashes as its engine computes them, with its images' keys in the
+        blocks that hold their tokens (so the KV-aware router follows an image's KV), and those
+        keys (one per tile, in prompt order)."""
         ids = prompt["prompt_token_ids"]
         media = ()
         data = prompt.get("multi_modal_data")
@@ -270,7 +272,7 @@ class DataParallelEngine:
             media = media_items(ids, data["image"], self.info.vision, salt)
         hashes: list[bytes] = []
         extend_block_hashes(hashes, ids[: len(ids) - 1], self.block_size, root_hash(self.model_id, salt), media)
-        return hashes
+        return hashes, tuple(m.key for m in media)
 
     def _prepare_images(self, prompt) -> dict:
         """``multi_modal_data``'s images decoded and preprocessed here (once, not per engine)."""
@@ -306,9 +308,10 @@ class DataParallelEngine:
         if self._closed is not None:
             raise EngineStopped(self._closed)
         prompt = self._tokenize(self._prepare_images(prompt))
-        hashes = self._hashes(prompt, cache_salt)
+        hashes, keys = self._hashes(prompt, cache_salt)
         stream = OutputChannel.here()
-        rec = _InFlight(request_id, -1, prompt, params, priority, cache_salt, retriable, stream, hashes, 0)
+        rec = _InFlight(request_id, -1, prompt, params, priority, cache_salt, retriable, stream, hashes, 0,
+                        tile_keys=keys)
         self.num_pending += params.n
         self.num_queued += params.n
         try:
@@ -433,14 +436,10 @@ class DataParallelEngine:
             self.router_stats.transferred_bytes += found.nbytes * stored // len(found.hashes)
 
     # -- images: encoder engines and image-aware routing -----------------------------------
-    def _tile_keys(self, rec: _InFlight) -> list[str]:
-        data = rec.prompt.get("multi_modal_data")
-        return [tile_key(im, t, rec.salt) for im in data["image"] for t in range(im.num_tiles)] if data else []
-
     def _prefer_holder(self, e: int, rec: _InFlight) -> int:
         """The router's choice ``e``, or (no KV hit predicted there) an engine believed to hold
         every encoding of ``rec``'s images and at most ``ENCODER_HOLDER_SLACK`` requests busier."""
-        keys = self._tile_keys(rec)
+        keys = rec.tile_keys
         if not keys or self.router.predicted_hits(e, rec.hashes) > 0 or all(k in self._held[e] for k in keys):
             return e
         busy = self.loads[e].waiting + self.loads[e].running
@@ -453,7 +452,7 @@ class DataParallelEngine:
 
     def _remember_held(self, e: int, rec: _InFlight) -> None:
         held = self._held[e]
-        for k in self._tile_keys(rec):
+        for k in rec.tile_keys:
             held[k] = None
             held.move_to_end(k)
         while len(held) > self.ENCODER_MEMORY:
@@ -466,9 +465,11 @@ class DataParallelEngine:
         data = rec.prompt.get("multi_modal_data")
         if self.encoders is None or not data:
             return data
-        images = data["image"]
-        todo = [i for i, im in enumerate(images) if im.tiles is not None and not all(
-            tile_key(im, t, rec.salt) in self._held[e] for t in range(im.num_tiles))]
+        images, held, todo, at = data["image"], self._held[e], [], 0
+        for i, im in enumerate(images):  # (rec.tile_keys: each image's tiles in turn)
+            if im.tiles is not None and not all(k in held for k in rec.tile_keys[at: at + im.num_tiles]):
+                todo.append(i)
+            at += im.num_tiles
         if not todo:
             return data
         encodings = await self._run_encoder([tile for i in todo for tile in images[i].tiles])
