@@ -175,13 +175,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if transport == "thread" and several:
         raise SystemExit("--transport thread runs one engine; several need ray or process")
     if getattr(a, "tensor_parallel_size", 1) > 1:
-        if several:
-            raise SystemExit("--tensor-parallel-size with several engines is not supported yet: one tensor-parallel "
-                             "engine per server")
-        if a.transport == "process":
-            raise SystemExit("--tensor-parallel-size runs its ranks as processes of the server's engine: use "
-                             "--transport thread (the default with tensor parallelism)")
-        transport = "thread"
+        if not several and a.transport != "process":
+            transport = "thread"  # one engine: its ranks are processes of the server's engine
     if transport != "thread":
         from kvos.distributed import DataParallelEngine
         from kvos.models.loader import resolve_config_path, resolve_model_path

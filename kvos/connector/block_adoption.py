@@ -7,6 +7,7 @@ import torch
 
 from kvos.cache.block import BlockHash
 from kvos.cache.kv_manager import KVCacheManager
+from kvos.worker.device_rows import RankRows
 from kvos.worker.runner import ModelRunner
 from kvos.worker.timed_copies import TimedCopies
 
@@ -41,13 +42,22 @@ class BlockAdopter:
         if not todo:
             return 0
         blocks = pool.get_new_blocks(len(todo))
+        if isinstance(rows, RankRows):  # each rank copies its part from its peer rank's GPU
+            self.runner.write_shared_rows([b.block_id for b in blocks], rows, todo)
+            return self._cache(blocks, todo, hashes, parent, depth, self.runner.block_bytes)
         span = rows[todo[0]: todo[-1] + 1]
         if self._copies is not None and rows.device.type == "cuda":  # one peer DMA beside the steps, then a local scatter
             span = self._copies.copy(span)
         local = [i - todo[0] for i in todo]
         self.runner.write_blocks([b.block_id for b in blocks], span if len(local) == len(span) else span[local])
+        return self._cache(blocks, todo, hashes, parent, depth, rows.shape[1])
+
+    def _cache(self, blocks: list, todo: list[int], hashes: list[BlockHash], parent: BlockHash | None, depth: int,
+               block_bytes: int) -> int:
+        """Cache the written ``blocks`` (rows ``todo``) under their hashes and let them go."""
+        pool = self.kv.pool
         self.blocks += len(blocks)
-        self.bytes += len(blocks) * rows.shape[1]
+        self.bytes += len(blocks) * block_bytes
         for i, block in zip(todo, blocks):  # adopted: not this engine's to write through
             pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else parent, depth=depth + i, adopted=True)
         pool.free_blocks(reversed(blocks))
@@ -56,7 +66,7 @@ class BlockAdopter:
     def warm(self, rows: torch.Tensor) -> None:
         """Any thread, as soon as another GPU's ``rows`` arrive (before ``adopt`` at the next
         step boundary): wake the peer link with a small read of them (``TimedCopies.warm``)."""
-        if self._copies is not None and rows.device.type == "cuda":
+        if self._copies is not None and isinstance(rows, torch.Tensor) and rows.device.type == "cuda":
             self._copies.warm(rows)
 
     @property
@@ -78,8 +88,13 @@ class BlockAdopter:
         the copies' own rates (``_spread``); ``adopt_warm_*``: the reads that woke the link
         ahead of them."""
         c = self._copies
+        shared = 0, 0.0  # tensor parallelism: rank 0's part, copied by the runner (each rank its own)
+        if self.runner.device.type == "cuda":
+            self.runner.collect_shared_copies()
+            shared = self.runner.shared_copy_bytes, self.runner.shared_copy_s
         return {"adopted_blocks": self.blocks, "adopted_bytes": self.bytes,
-                "adopt_copy_bytes": c.bytes if c else 0, "adopt_copy_s": c.seconds if c else 0.0,
+                "adopt_copy_bytes": (c.bytes if c else 0) + shared[0],
+                "adopt_copy_s": (c.seconds if c else 0.0) + shared[1],
                 "adopt_copies_by_size": dict(c.by_size) if c else {},
                 "adopt_copy_gb_s_spread": {k: _spread(v) for k, v in c.rates.items()} if c else {},
                 "adopt_warm_copies": c.warm_copies if c else 0, "adopt_warm_bytes": c.warm_bytes if c else 0,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvos.cache.block import KVBlock
-from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
+from kvos.distributed.kv_transfer import ExtractedBlocks
 
 log = logging.getLogger("kvos.distributed")
 
@@ -144,13 +144,12 @@ class BlockExports:
         with torch.cuda.stream(self._stream):
             if held.ready_event is not None:
                 self._stream.wait_event(held.ready_event)
-            if share:
-                torch.cuda.ipc_collect()  # free rows that earlier receivers are done with
-                gathered = runner.gather_blocks(ids)
-                rows: object = DeviceRows.share(gathered)
-                done = torch.cuda.Event()
-                done.record()
-                done.synchronize()
+            if share:  # DeviceRows, or RankRows from a tensor-parallel runner
+                try:
+                    rows: object = runner.share_blocks(ids)
+                except BaseException:
+                    self.done(nbytes)
+                    raise
             else:
                 rows = runner.read_blocks(ids).numpy()
         return ExtractedBlocks(held.hashes[skip:], blocks[0].parent_hash, blocks[0].depth, rows)

@@ -22,7 +22,7 @@ from kvos.distributed.engines import (
     ProcessEngines,
     RayEngines,
 )
-from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
+from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks, RankRows
 from kvos.distributed.output_delta import OutputAccumulator
 from kvos.distributed.worker import EngineInfo, PollResult
 from kvos.engine.client import (
@@ -162,7 +162,8 @@ class DataParallelEngine:
         # KV events feed the router; one engine has nothing to route (and pickling a step's
         # events cost the front end about a fifth of its time serving 256 streams on an H100)
         kwargs = [{**engine_kwargs, "kv_events": total > 1}] * total
-        if prefill_engines:  # decode engines receive the prompts' blocks
+        if prefill_engines and engine_kwargs.get("tensor_parallel_size", 1) == 1:  # decode engines receive the
+            # prompts' blocks as host rows into a transfer tier (tensor-parallel ones write them, as device rows)
             kwargs[:num_engines] = [{**kwargs[0], "kv_transfer_gb": engine_kwargs.get("kv_transfer_gb") or 1.0}
                                     ] * num_engines
             # prefill engines read a finished prompt's blocks between steps: without a step
@@ -187,6 +188,8 @@ class DataParallelEngine:
         self.block_size = self.info.block_size
         self.router_name = router
         self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]
+        self.placements: list[dict] = [self.engines.call_sync(i, "placement") for i in range(total)]
+        """Where each engine runs (``EngineWorker.placement``), refreshed when it restarts."""
         capacity = max(1, self.engine_stats[0].get("total") or 2000)  # approx remembers a pool's worth
         self.num_decode = num_engines
         self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity, router_balance)
@@ -428,7 +431,7 @@ class DataParallelEngine:
                                       rec.prompt.get("segment_spans") or (), media)
             self._remember_held(e, rec)
         finally:
-            if found is not None and isinstance(found.rows, DeviceRows):
+            if found is not None and isinstance(found.rows, (DeviceRows, RankRows)):
                 self.engines.notify(source, "transfer_done", found.rows.nbytes)
         if found is not None and found.hashes:
             self.router_stats.transferred_blocks += stored
@@ -593,11 +596,15 @@ class DataParallelEngine:
                     break
         self.loads[i] = res.load
         old = self.engine_stats[i]
-        if old.get("pid") is not None and res.stats.get("pid") != old.get("pid"):  # a new life: keep the old counts
+        new_life = old.get("pid") is not None and res.stats.get("pid") != old.get("pid")
+        if new_life:  # keep the old counts
             for k, v in old.items():
                 if k not in GAUGES and isinstance(v, (int, float)) and not isinstance(v, bool) and k != "pid":
                     self._retired[k] = self._retired.get(k, 0) + v
         self.engine_stats[i] = res.stats
+        if new_life:  # a restart may have moved it
+            with contextlib.suppress(Exception):
+                self.placements[i] = await self._call(i, "placement")
 
     def _engine_down(self, i: int, reason: str = "died") -> None:
         """Engine ``i`` died or missed a deadline (``reason``): stop routing to it, move or cut its
@@ -712,6 +719,7 @@ class DataParallelEngine:
         self.down.append(False)
         self.down_reason.append(None)
         self.engine_stats.append(await self._call(i, "stats"))
+        self.placements.append(await self._call(i, "placement"))
         self.router_stats.routed.append(0)
         assert self.router.on_engine_added() == i
         self.num_decode += 1

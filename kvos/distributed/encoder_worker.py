@@ -76,5 +76,10 @@ class EncoderWorker:
     def ping(self) -> str:
         return self.engine_id
 
+    def placement(self) -> dict:
+        from kvos.distributed.ray_cluster import where_am_i
+
+        return {**where_am_i(), "tensor_parallel_size": 1}
+
     def shutdown(self) -> None:
         pass

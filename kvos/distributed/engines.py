@@ -38,34 +38,60 @@ class EngineHung(EngineDied):
 
 class RayEngines:
     """One ``EngineWorker`` actor per engine on the Ray cluster at ``address`` (None: start a
-    local one, or join the one ``RAY_ADDRESS`` names); one GPU each when the cluster has a GPU
-    per engine. Ray restarts a dead actor up to ``max_restarts`` times."""
+    local one, or join the one ``RAY_ADDRESS`` names; ``kvos.distributed.ray_cluster.join``).
+    Each engine is placed in a bundle of one placement group, spread over the nodes
+    (``ray_cluster.place_engines``): with GPUs, ``tensor_parallel_size`` GPUs of one node per
+    engine, whose ranks the actor starts as its own processes there. Ray restarts a dead actor
+    (in its bundle) up to ``max_restarts`` times."""
 
     device_transfer = False
-    """Actors see only their own GPU: KV between them travels as host rows (the object store)."""
+    """Actors see only their own GPUs: KV between them travels as host rows (the object store)."""
 
     def __init__(self, kwargs: list[dict], address: str | None, max_restarts: int) -> None:
         import ray
 
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        from kvos.distributed import ray_cluster
+
+        self._started_ray = ray_cluster.join(address, {"TOKENIZERS_PARALLELISM": "false"})
         n = len(kwargs)
-        per_gpu = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
-        threads = max(1, int(ray.cluster_resources().get("CPU", 1) // n))
-        self._options = dict(num_cpus=0, num_gpus=per_gpu, max_restarts=max_restarts, max_concurrency=RPC_THREADS)
-        self._threads = threads
-        self.actors = [self._start(kwargs[i], i) for i in range(n)]
+        tp = max(k.get("tensor_parallel_size", 1) for k in kwargs)
+        resources = ray.cluster_resources()
+        on_cpu = all(k.get("device", "auto") == "cpu" for k in kwargs)
+        self._gpus = tp if not on_cpu and resources.get("GPU", 0) >= n * tp else 0
+        if tp > 1 and not on_cpu and resources.get("GPU", 0) and not self._gpus:
+            raise ValueError(f"tensor_parallel_size {tp}: {n} engine(s) need {n * tp} GPUs; the Ray cluster has "
+                             f"{resources.get('GPU', 0):.0f}")
+        self._threads = max(1, int(resources.get("CPU", 1) // (n * tp)))
+        self._max_restarts = max_restarts
+        self._groups: list = []
+        self._place: list[tuple] = []  # engine i: (placement group, bundle index)
+        try:
+            pg = ray_cluster.place_engines(n, self._gpus)
+            self._groups.append(pg)
+            self._place = [(pg, i) for i in range(n)]
+            self.actors = [self._start(kwargs[i], i) for i in range(n)]
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _start(self, kwargs: dict, i: int):
         import ray
 
+        from kvos.distributed.ray_cluster import BUNDLE_CPUS, in_bundle
+
         cls, kwargs = worker_class(kwargs)
-        return ray.remote(cls).options(**self._options).remote(kwargs, i, self._threads)
+        pg, bundle = self._place[i]
+        return ray.remote(cls).options(
+            num_cpus=BUNDLE_CPUS, num_gpus=self._gpus, max_restarts=self._max_restarts,
+            max_concurrency=RPC_THREADS, scheduling_strategy=in_bundle(pg, bundle)).remote(kwargs, i, self._threads)
 
     def add_engine(self, kwargs: dict) -> int:
-        """Start one more engine actor; returns its index."""
+        """Start one more engine actor in a placement group of its own; returns its index."""
+        from kvos.distributed.ray_cluster import place_engines
+
+        pg = place_engines(1, self._gpus)
+        self._groups.append(pg)
+        self._place.append((pg, 0))
         self.actors.append(self._start(kwargs, len(self.actors)))
         return len(self.actors) - 1
 
@@ -109,10 +135,16 @@ class RayEngines:
     def shutdown(self) -> None:
         import ray
 
+        from kvos.distributed.ray_cluster import remove
+
         if not ray.is_initialized():
             return
-        for a in self.actors:
+        for a in getattr(self, "actors", []):
             ray.kill(a, no_restart=True)
+        for pg in self._groups:
+            with contextlib.suppress(Exception):
+                remove(pg)
+        self._groups = []
         if self._started_ray:
             ray.shutdown()
 
@@ -176,11 +208,11 @@ def _serve_engine(conn, kwargs: dict, index: int, threads: int, gpu: str | None,
 class _Process:
     """One engine process and its pipe; ``reader`` resolves the futures of calls in flight."""
 
-    def __init__(self, ctx, kwargs: dict, index: int, threads: int, gpu: str | None) -> None:
+    def __init__(self, ctx, kwargs: dict, index: int, threads: int, gpu: str | None, daemon: bool = True) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve_engine, args=(child, kwargs, index, threads, gpu,
                                                             logging.getLogger().getEffectiveLevel()),
-                                name=f"kvos-engine-{index}", daemon=True)
+                                name=f"kvos-engine-{index}", daemon=daemon)
         self.proc.start()
         child.close()
         self.index = index
@@ -260,17 +292,27 @@ class ProcessEngines:
         gpus = _visible_gpus() if any(k.get("device", "auto") != "cpu" for k in kwargs) else []
         # engine i's own GPU first (its "cuda"), the others after it: visible, so that CUDA IPC
         # handles of another engine's memory open there (disaggregated prefill)
+        tp = max(k.get("tensor_parallel_size", 1) for k in kwargs)
         if gpu_offset is not None and gpus:
             rot = [(gpu_offset + i) % len(gpus) for i in range(n)]
             self._gpu = [",".join(gpus[r:] + gpus[:r]) for r in rot]
-        else:
-            self._gpu = [",".join(gpus[i:] + gpus[:i]) if len(gpus) >= n else None for i in range(n)]
+        elif tp > 1 and gpus and len(gpus) < n * tp:  # engines share GPUs: engine i's rank r on GPU (i + r) % G
+            if len(gpus) < tp:
+                raise ValueError(f"tensor_parallel_size {tp}: {len(gpus)} GPUs are visible")
+            log.warning("%d engines of %d ranks share %d GPUs: give each a gpu_memory_utilization share", n, tp,
+                        len(gpus))
+            self._gpu = [",".join(gpus[i % len(gpus):] + gpus[:i % len(gpus)]) for i in range(n)]
+        else:  # engine i's ranks on GPUs i*tp .. i*tp + tp - 1
+            self._gpu = [",".join(gpus[i * tp:] + gpus[:i * tp]) if len(gpus) >= n * tp else None for i in range(n)]
+        self._daemon = tp == 1
+        """A tensor-parallel engine starts its ranks as processes of its own, which a daemonic
+        process may not; such engines end when their pipe closes (the front end gone)."""
         self.device_transfer = bool(gpus)
         """The engines are processes of this host on its GPUs: KV moves between them by CUDA IPC."""
-        self._threads = max(1, (os.cpu_count() or 1) // n)
+        self._threads = max(1, (os.cpu_count() or 1) // (n * tp))
         self._max_restarts = max_restarts
         self._restarts = [max_restarts] * n
-        self.procs = [_Process(self._ctx, kwargs[i], i, self._threads, self._gpu[i]) for i in range(n)]
+        self.procs = [_Process(self._ctx, kwargs[i], i, self._threads, self._gpu[i], self._daemon) for i in range(n)]
         try:  # built side by side
             for p in self.procs:
                 p.wait_started()
@@ -304,7 +346,8 @@ class ProcessEngines:
         self._restarts[i] -= 1
         p.stop(1.0)
         try:
-            new = await asyncio.to_thread(_Process, self._ctx, self._kwargs[i], i, self._threads, self._gpu[i])
+            new = await asyncio.to_thread(_Process, self._ctx, self._kwargs[i], i, self._threads, self._gpu[i],
+                                          self._daemon)
             await asyncio.to_thread(new.wait_started)
             self.procs[i] = new
         except Exception:
@@ -322,7 +365,7 @@ class ProcessEngines:
     def add_engine(self, kwargs: dict) -> int:
         """Start one more engine process (blocks until it is built); returns its index."""
         i = len(self.procs)
-        proc = _Process(self._ctx, kwargs, i, self._threads, None)
+        proc = _Process(self._ctx, kwargs, i, self._threads, None, self._daemon)
         proc.wait_started()
         self._kwargs.append(kwargs)
         self._gpu.append(None)

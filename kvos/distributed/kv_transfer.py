@@ -8,38 +8,17 @@ them out):
   (through the front end, which never touches CUDA); the decode engine, a process on the same
   host that sees that GPU, copies them GPU to GPU (NVLink or PCIe peer access) straight into
   free blocks of its pool and caches them under their hashes (``LLMEngine.adopt_blocks``).
+  With tensor parallelism on both sides (the same size), ``RankRows``: rank r's part of each
+  block stays on the prefill engine's rank-r GPU, and the decode engine's rank r copies it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvos.worker.device_rows import DeviceRows, RankRows
 
-@dataclass
-class DeviceRows:
-    """Rows on a GPU of the process that made them, shared by CUDA IPC (torch's handle).
-
-    Safety: the sender's torch keeps the memory alive until the receiver's opened tensor is
-    freed (a reference counter in shared memory), so the sender may drop its own reference at
-    once. Open it at most once, in one process of the same host that sees the sender's GPU.
-    A handle that is never opened keeps its memory until the sender exits."""
-
-    rebuild: Callable[..., Any]
-    args: tuple
-    nbytes: int
-
-    @classmethod
-    def share(cls, rows) -> DeviceRows:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        rebuild, args = reduce_tensor(rows)
-        return cls(rebuild, args, rows.numel() * rows.element_size())
-
-    def open(self):
-        """The rows as a tensor of this process (the sender's memory, mapped; reads wait for
-        the sender's gather through an IPC event)."""
-        return self.rebuild(*self.args)
+__all__ = ["DeviceRows", "ExtractedBlocks", "RankRows"]
 
 
 @dataclass
@@ -52,7 +31,8 @@ class ExtractedBlocks:
     depth: int
     """``hashes[0]``'s place in its chain (0: the prompt's first block)."""
     rows: Any
-    """Host rows (numpy ``uint8 [n, block_bytes]``), ``DeviceRows``, or None when empty."""
+    """Host rows (numpy ``uint8 [n, block_bytes]``), ``DeviceRows`` (``RankRows`` from a
+    tensor-parallel engine: one ``DeviceRows`` per rank), or None when empty."""
 
     @property
     def nbytes(self) -> int:

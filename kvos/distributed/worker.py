@@ -15,7 +15,7 @@ from kvos.core.load import EngineLoad
 from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
 from kvos.distributed.block_export import BlockExports
-from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks
+from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks, RankRows
 from kvos.distributed.output_delta import DeltaEncoder, OutputDelta
 from kvos.engine.media import MediaLimits
 from kvos.models.config import VisionShape
@@ -124,13 +124,18 @@ class EngineWorker:
         (``on_device``: read as ``DeviceRows`` for a process of this host). ``received``
         (on a decode engine): blocks another engine exported, stored first: device rows are
         opened at once, with a small read that wakes the link (``LLMEngine.warm_adoption``),
-        and copied into this engine's pool between steps, just before the request is queued; host
-        rows go into the transfer tier. Returns how many blocks were stored."""
+        and copied into this engine's pool between steps, just before the request is queued
+        (``RankRows``: each rank copies its part); host rows go into the transfer tier, or without
+        one (tensor parallelism) are written like device rows. Returns how many blocks were stored."""
         stored = 0
-        if received is not None and received.hashes and not isinstance(received.rows, DeviceRows):
-            assert self.engine.offload is not None, "host rows need a transfer tier (kv_transfer_gb)"
+        host_rows = received is not None and received.hashes and not isinstance(received.rows, (DeviceRows, RankRows))
+        if host_rows and getattr(self.engine.offload, "transfer", None) is not None:
             stored = self.engine.offload.receive(received.hashes, received.rows)
             received = None
+        elif host_rows:  # no transfer tier (a tensor-parallel engine): written at the step boundary
+            import torch
+
+            received = replace(received, rows=torch.from_numpy(received.rows))
         elif received is not None and received.hashes:  # opened here to wake the link before the step boundary
             try:
                 received = replace(received, rows=received.rows.open())
@@ -215,11 +220,19 @@ class EngineWorker:
     def ping(self) -> str:
         return self.engine_id
 
+    def placement(self) -> dict:
+        """Where this engine runs (``ray_cluster.where_am_i``: host, Ray node, GPUs) and its
+        tensor-parallel size."""
+        from kvos.distributed.ray_cluster import where_am_i
+
+        return {**where_am_i(), "tensor_parallel_size": self.engine.config.tensor_parallel_size}
+
     def shutdown(self) -> None:
         with self._lock:
             self._stop = True
             self._changed.notify_all()
         self._thread.join(10)
+        self.engine.shutdown()  # a tensor-parallel engine's rank processes
 
     # -- the stepping thread -------------------------------------------------------------
     def _call(self, fn):

@@ -36,7 +36,7 @@ def add_admin_routes(app: FastAPI, engine, admin_key: str | None) -> None:
     def listing() -> dict:
         f = fleet()
         return {"engines": [{"engine": i, "state": f.down_reason[i] or "up",
-                             "role": "decode" if i < f.num_decode else "prefill"}
+                             "role": "decode" if i < f.num_decode else "prefill", **f.placements[i]}
                             for i in range(len(f.down)) if f.down_reason[i] != "removed"]}
 
     def call(fn, *args):

@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import socket
+import threading
+import time
 import traceback
+from collections import deque
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from kvos.cache.layout import CacheLayout
 from kvos.core.step import StepDescription
 from kvos.models.loader import read_model_config
 from kvos.models.tensor_parallel import TPGroup, check_tensor_parallel
+from kvos.worker.device_rows import RankRows
 from kvos.worker.runner import LaunchedStep, ModelRunner
 
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -33,9 +39,22 @@ COLLECTIVE_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 600.0
 """How long rank 0 waits for a worker to load its shard."""
 
-_REPLIES = ("profile_kv_budget",)
-"""Worker calls whose result rank 0 reads; the others are fire-and-forget (a failure is read
-before the next call)."""
+_REPLIES = ("profile_kv_budget", "read_rows", "share_blocks")
+"""Worker calls whose result rank 0 reads (in the order it asked); the others are
+fire-and-forget (a failure ends the worker and fails rank 0's next call)."""
+
+
+def _read_rows(runner: ModelRunner, block_ids: list[int], group: int | None):
+    """A rank's part of the blocks as a numpy array (pickled to rank 0)."""
+    return runner.read_blocks(block_ids, group=group).numpy()
+
+
+def _write_rows(runner: ModelRunner, block_ids: list[int], part, group: int | None) -> None:
+    runner.write_blocks(block_ids, torch.from_numpy(part), group=group)
+
+
+_RANK_CALLS = {"read_rows": _read_rows, "write_rows": _write_rows}
+"""Worker calls that are not ``ModelRunner`` methods of the same name."""
 
 
 def _free_port() -> int:
@@ -55,12 +74,23 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
+def _exit_with_parent(parent: int) -> None:
+    """End this worker once rank 0's process is gone (killed, or stuck and killed by its own
+    parent): its pipe's end alone does not end a worker blocked in a collective or in NCCL's
+    teardown, and an orphaned rank would hold its GPU and its parent's output streams."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def worker_main(conn: Connection, rank: int, size: int, init_method: str, model_path: Path, dtype: torch.dtype,
                 device: torch.device, random_weights: bool, threads: int) -> None:
     """A worker process: its shard, then calls from rank 0 until ``shutdown`` (or the pipe closes).
     A failed call is sent back as ``("error", text)`` and ends the worker: its collectives can no
     longer match rank 0's."""
     torch.set_num_threads(threads)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="kvos-tp-parent-watch", daemon=True).start()
     try:
         dev = _rank_device(device, rank)
         if dev.type == "cuda":
@@ -75,7 +105,8 @@ def worker_main(conn: Connection, rank: int, size: int, init_method: str, model_
                 return
             if method == "shutdown":
                 return
-            result = getattr(runner, method)(*args)
+            call = _RANK_CALLS.get(method)
+            result = call(runner, *args) if call is not None else getattr(runner, method)(*args)
             if method in _REPLIES:
                 conn.send(("ok", result))
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which fails the engine
@@ -88,11 +119,72 @@ def worker_main(conn: Connection, rank: int, size: int, init_method: str, model_
             dist.destroy_process_group()
 
 
+class _RankLink:
+    """Rank 0's pipe to one worker. Sends go under a lock (any thread); a reader thread hands each
+    reply to the call that waits for it: the worker answers reply calls in the order they were
+    sent. An error from the worker fails every waiting call and every later one."""
+
+    def __init__(self, conn: Connection, proc) -> None:
+        self.conn, self.proc = conn, proc
+        self.lock = threading.Lock()
+        self.waiting: deque[Future] = deque()
+        self.error: BaseException | None = None
+        self.reader: threading.Thread | None = None
+
+    def start_reading(self) -> None:
+        self.reader = threading.Thread(target=self._read, name=f"{self.proc.name}-replies", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, value = self.conn.recv()
+            except (EOFError, OSError):
+                self._fail(RuntimeError(f"tensor parallelism: worker {self.proc.name} exited"))
+                return
+            if kind == "error":
+                self._fail(_worker_error(value))
+                return
+            with self.lock:
+                fut = self.waiting.popleft() if self.waiting else None
+            if fut is not None:
+                fut.set_result(value)
+
+    def _fail(self, err: BaseException) -> None:
+        with self.lock:
+            self.error = self.error or err
+            waiting, self.waiting = list(self.waiting), deque()
+        for fut in waiting:
+            fut.set_exception(err)
+
+    def send(self, method: str, args: tuple) -> Future | None:
+        """Queue ``method(*args)`` on the worker; a ``Future`` of its result for ``_REPLIES``."""
+        with self.lock:
+            if self.error is not None:
+                raise self.error
+            if not self.proc.is_alive():
+                raise RuntimeError(f"tensor parallelism: worker {self.proc.name} exited (code {self.proc.exitcode})")
+            fut: Future | None = Future() if method in _REPLIES else None
+            if fut is not None:
+                self.waiting.append(fut)
+            self.conn.send((method, args))
+        return fut
+
+
+def _worker_error(value) -> BaseException:
+    name, text, trace = value
+    if name == "ValueError":  # bad input, as rank 0 would have raised it
+        return ValueError(text)
+    return RuntimeError(f"{text} ({name})\n{trace}")
+
+
 class ParallelRunner(ModelRunner):
     """Rank 0 of ``size``: a ``ModelRunner`` over its shard that drives ranks 1.. (worker processes).
 
-    Reading or writing whole blocks (tiers, swap, KV transfer) is not supported: a block's bytes
-    are spread over the ranks. The engine refuses those settings with tensor parallelism."""
+    Whole blocks (``read_blocks``/``write_blocks``: swap, KV hand-over) are rows of ``size``
+    parts, rank r's part (its K/V heads) r-th: each rank reads or writes its own. Calls may come
+    from any thread (a prefill engine reads its exports beside the steps); a worker runs them in
+    the order rank 0 sent them, so a read sent after a step's launch sees that step's writes."""
 
     def __init__(self, size: int, model_path: Path, dtype: torch.dtype, device: torch.device,
                  random_weights: bool = False) -> None:
@@ -102,10 +194,10 @@ class ParallelRunner(ModelRunner):
             raise ValueError(f"tensor_parallel_size {size}: this process already has a process group (another "
                              f"tensor-parallel engine?); shut it down first (LLM.shutdown)")
         check_tensor_parallel(read_model_config(model_path, random_weights), size)  # before any process starts
+        self.size = size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
-        self._conns: list[Connection] = []
-        self._procs: list = []
+        self._links: list[_RankLink] = []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"kvos-tp-rank{rank}", daemon=True,
@@ -113,49 +205,44 @@ class ParallelRunner(ModelRunner):
                                      torch.get_num_threads()))
             proc.start()
             child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+            self._links.append(_RankLink(parent, proc))
         try:
             dev = _rank_device(device, 0)
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
             super().__init__(model_path, dtype, dev, random_weights=random_weights, tp=TPGroup(0, size))
-            for conn in self._conns:  # every shard loaded (or its error raised here) before the group forms
-                self._reply(conn, START_TIMEOUT_S, "ready")
+            for link in self._links:  # every shard loaded (or its error raised here) before the group forms
+                self._ready(link)
+                link.start_reading()
             _init_group("nccl" if dev.type == "cuda" else "gloo", init_method, 0, size, dev)
         except BaseException:
             self.shutdown()
             raise
 
-    def _reply(self, conn: Connection, timeout: float | None = None, expect: str = "ok"):
-        if timeout is not None and not conn.poll(timeout):
-            raise RuntimeError(f"tensor parallelism: a worker did not answer within {timeout:.0f} s")
+    @staticmethod
+    def _ready(link: _RankLink) -> None:
+        if not link.conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"tensor parallelism: a worker did not load its shard within {START_TIMEOUT_S:.0f} s")
         try:
-            kind, value = conn.recv()
+            kind, value = link.conn.recv()
         except EOFError:
             raise RuntimeError("tensor parallelism: a worker process exited") from None
         if kind == "error":
-            name, text, trace = value
-            if name == "ValueError":  # bad input, as rank 0 would have raised it
-                raise ValueError(text)
-            raise RuntimeError(f"{text} ({name})\n{trace}")
-        assert kind == expect, (kind, expect)
-        return value
+            raise _worker_error(value)
 
-    def _send(self, method: str, *args) -> None:
-        for conn, proc in zip(self._conns, self._procs):
-            if conn.poll():  # only an error arrives unasked
-                self._reply(conn)
-            if not proc.is_alive():
-                raise RuntimeError(f"tensor parallelism: worker {proc.name} exited (code {proc.exitcode})")
-            conn.send((method, args))
+    def _send(self, method: str, *args) -> list[Future | None]:
+        return [link.send(method, args) for link in self._links]
+
+    def _send_each(self, method: str, per_rank: list[tuple]) -> list[Future | None]:
+        """``method`` with worker r's own arguments ``per_rank[r - 1]``."""
+        return [link.send(method, args) for link, args in zip(self._links, per_rank)]
 
     @torch.inference_mode()
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
         """The smallest of the ranks' budgets: every rank's pool has as many pages."""
-        self._send("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens)
+        replies = self._send("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens)
         mine = super().profile_kv_budget(gpu_memory_utilization, max_num_batched_tokens)
-        return min([mine, *(self._reply(c) for c in self._conns)])
+        return min([mine, *(f.result(START_TIMEOUT_S) for f in replies)])
 
     def allocate_kv_cache(self, layout: CacheLayout, num_pages: int) -> None:
         self._send("allocate_kv_cache", layout, num_pages)
@@ -174,27 +261,64 @@ class ParallelRunner(ModelRunner):
         self._send("launch", step, defer_sampling)
         return super().launch(step, defer_sampling)
 
-    def read_blocks(self, *args, **kwargs):
-        raise NotImplementedError("tensor parallelism: a block's bytes are spread over the ranks")
+    # -- whole blocks: ``size`` parts per row -----------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        return super().block_bytes * self.size
 
-    write_blocks = gather_blocks = read_blocks
+    def group_block_bytes(self, group: int) -> int:
+        return super().group_block_bytes(group) * self.size
+
+    def read_blocks(self, block_ids: list[int], digests_out: list[int] | None = None,
+                    group: int | None = None) -> torch.Tensor:
+        """Every rank's part of the blocks, side by side in each host row."""
+        if digests_out is not None:
+            raise NotImplementedError("tensor parallelism: block digests (CPU tier frames) are per rank")
+        replies = self._send("read_rows", block_ids, group)
+        mine = super().read_blocks(block_ids, group=group)
+        return torch.cat([mine, *(torch.from_numpy(f.result(COLLECTIVE_TIMEOUT_S)) for f in replies)], dim=1)
+
+    def write_blocks(self, block_ids: list[int], rows: torch.Tensor, group: int | None = None) -> None:
+        """Each rank writes its part of ``rows`` (``read_blocks``' layout)."""
+        if rows.shape[1] % self.size:
+            raise ValueError(f"block rows of {rows.shape[1]} bytes do not split over {self.size} ranks")
+        parts = rows.cpu().chunk(self.size, dim=1)
+        self._send_each("write_rows", [(block_ids, p.contiguous().numpy(), group) for p in parts[1:]])
+        super().write_blocks(block_ids, parts[0].contiguous(), group=group)
+
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        raise NotImplementedError("tensor parallelism: a block's parts are on several GPUs (share_blocks)")
+
+    def share_blocks(self, block_ids: list[int]) -> RankRows:
+        """Each rank's part of the blocks, shared from its own GPU (``ModelRunner.share_blocks``)."""
+        replies = self._send("share_blocks", block_ids)
+        mine = super().share_blocks(block_ids)
+        return RankRows([mine, *(f.result(COLLECTIVE_TIMEOUT_S) for f in replies)])
+
+    def write_shared_rows(self, block_ids: list[int], rows, positions: list[int]) -> None:
+        """``rows``: ``RankRows`` of a sender with as many ranks; rank r copies part r."""
+        if not isinstance(rows, RankRows) or len(rows.parts) != self.size:
+            raise ValueError(f"tensor parallelism: rows shared by another engine's ranks must come in "
+                             f"{self.size} parts (the same tensor_parallel_size on both sides)")
+        self._send_each("write_shared_rows", [(block_ids, p, positions) for p in rows.parts[1:]])
+        super().write_shared_rows(block_ids, rows.parts[0], positions)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the workers (reaped, killed after ``timeout``) and leave the process group."""
-        for conn in self._conns:
+        for link in self._links:
             try:
-                conn.send(("shutdown", ()))
+                link.conn.send(("shutdown", ()))
             except OSError:
                 pass
-        for proc in self._procs:
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        self._procs, self._conns = [], []
+        for link in self._links:
+            link.proc.join(timeout)
+            if link.proc.is_alive():
+                link.proc.kill()
+                link.proc.join()
+        self._links = []
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def __del__(self) -> None:
-        if getattr(self, "_procs", None):
+        if getattr(self, "_links", None):
             self.shutdown(1.0)

@@ -20,6 +20,7 @@ from kvos.models.state import StateCache, state_metadata
 from kvos.models.tensor_parallel import TPGroup, shard_plan
 from kvos.worker.block_digest import page_digests
 from kvos.worker.cuda_graphs import DecodeGraphs
+from kvos.worker.device_rows import DeviceRows
 from kvos.worker.draft_model import DraftModel
 from kvos.worker.host_copies import as_words, to_device
 from kvos.worker.sampler import (
@@ -133,6 +134,10 @@ class ModelRunner:
         """Per cache group: True when it holds Mamba state pages (``StateMetadata``, not attention's)."""
         self.block_size = 0
         self._generators: dict[str, torch.Generator] = {}
+        self._shared_open: list[tuple] = []
+        """Other processes' rows mapped by ``write_shared_rows``, until their copies have run."""
+        self.shared_copy_bytes = 0
+        self.shared_copy_s = 0.0
         self._seed_streams: dict[str, SeedStream] = {}
         self._last_tokens: torch.Tensor | None = None
         self._last_targets: list[str] = []
@@ -368,6 +373,47 @@ class ModelRunner:
         the blocks' content is what their owner says."""
         pages = self.block_pages()
         return as_words(pages).index_select(0, to_device(block_ids, torch.long, pages.device)).view(torch.uint8)
+
+    def share_blocks(self, block_ids: list[int]) -> DeviceRows:
+        """The blocks' bytes (``gather_blocks``, on the current stream) shared by CUDA IPC for a
+        process of this host; returns once the gather is complete. GPU only; same validity rule as
+        ``gather_blocks``."""
+        torch.cuda.ipc_collect()  # free rows that earlier receivers are done with
+        rows = ModelRunner.gather_blocks(self, block_ids)  # this rank's pages (a ParallelRunner refuses the whole)
+        shared = DeviceRows.share(rows)
+        torch.cuda.current_stream(self.device).synchronize()
+        return shared
+
+    def write_shared_rows(self, block_ids: list[int], rows: DeviceRows, positions: list[int]) -> None:
+        """Fill ``block_ids`` from rows ``positions`` of another process's shared rows (one peer
+        copy of the span, then ``write_blocks``), queued on the current stream. The mapping of the
+        sender's memory is kept until that copy has run (``_shared_open``), then dropped (the
+        sender's memory is freed once every receiver is done). Same rules as ``write_blocks``."""
+        self.collect_shared_copies()
+        src = rows.open()
+        lo, hi = positions[0], positions[-1] + 1
+        span = torch.empty((hi - lo, src.shape[1]), dtype=src.dtype, device=self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        span.copy_(src[lo:hi], non_blocking=True)  # (the sender's GPU may carry this device's label: UVA finds it)
+        end.record()
+        local = [i - lo for i in positions]
+        ModelRunner.write_blocks(self, block_ids, span if len(local) == hi - lo else span[local])  # this rank's pages
+        done = torch.cuda.Event()
+        done.record()
+        self._shared_open.append((start, end, done, src, span.numel()))
+
+    def collect_shared_copies(self) -> None:
+        """Drop the mappings whose copies have run, adding their bytes and device time to
+        ``shared_copy_bytes`` / ``shared_copy_s`` (the link's rate, one rank's part)."""
+        pending = []
+        for start, end, done, src, nbytes in self._shared_open:
+            if done.query():
+                self.shared_copy_bytes += nbytes
+                self.shared_copy_s += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end, done, src, nbytes))
+        self._shared_open = pending
 
     def write_blocks(self, block_ids: list[int], rows: torch.Tensor, group: int | None = None) -> None:
         """Fill ``block_ids`` from ``rows`` (``uint8 [n, block_bytes]`` as ``read_blocks``

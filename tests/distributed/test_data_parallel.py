@@ -1,6 +1,6 @@
-"""``kvos serve --data-parallel 2``: two engine actors of the default model on a local Ray cluster
-behind one endpoint and the kv_aware router, driven by a real HTTP client; faults are real
-process kills."""
+"""``kvos serve --data-parallel 2``: two engine actors of the default model on a two-node Ray
+cluster (two ``ray start`` on this machine), one per node, behind one endpoint and the kv_aware
+router, driven by a real HTTP client; faults are real process kills."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from kvos import SamplingParams
+from tests.support.ray_nodes import two_node_cluster
 from tests.support.server import Server, engines, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -21,12 +22,26 @@ pytest.importorskip("ray")
 MODEL = "SmolLM2-135M-Instruct"
 
 
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+
+
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--data-parallel", "2", "--router", "kv_aware", "--ray-address", "local", "--max-model-len", "1024",
-               "--num-blocks", "256").wait_ready(timeout=600)
-    yield s
-    assert s.stop() == 0
+    """Two engines joined to a two-node cluster made by `ray start` (token authentication on; the
+    server gets the token as a user on another host would, by RAY_AUTH_TOKEN_PATH)."""
+    with two_node_cluster() as (address, token):
+        s = Server("--data-parallel", "2", "--router", "kv_aware", "--ray-address", address, "--max-model-len", "1024",
+                   "--num-blocks", "256", "--admin-key", "test-admin-key",
+                   env={"RAY_AUTH_TOKEN_PATH": str(token)}).wait_ready(timeout=600)
+        yield s
+        assert s.stop() == 0
+
+
+def test_engines_are_placed_on_different_nodes(server):
+    listed = httpx.get(f"{server.url}/admin/engines", headers=ADMIN).json()["engines"]
+    assert [e["state"] for e in listed] == ["up", "up"]
+    nodes = {e["node"] for e in listed}
+    assert len(nodes) == 2 and None not in nodes, listed  # placement spread the engines over the two nodes
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         # a file, not a pipe: an unread pipe fills up and blocks the server's logging
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvos-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "kvos.cli", "serve", "--port", str(self.port), *args],

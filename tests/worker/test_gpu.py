@@ -335,6 +335,40 @@ def test_disaggregated_prefill_moves_blocks_by_cuda_ipc(folder):
     assert decode["adopt_warm_copies"] == 4  # one read that wakes the link per hand-over
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_disaggregated_prefill_between_tensor_parallel_engines(folder):
+    """1 prefill + 1 decode engine of 2 ranks each on 2 GPUs (shared: the prefill engine's rank r
+    on GPU r+1 mod 2, the decode engine's on GPU r): each rank's part of the prompt's blocks goes
+    from the prefill rank's GPU to the decode rank's by CUDA IPC (a peer copy), and the outputs
+    equal one single-rank engine's."""
+    from kvos import LLM
+    from kvos.distributed import DataParallelLLM
+
+    path, _ = folder
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, VOCAB, (90 + 37 * i,), generator=g).tolist() for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(model=str(path), device="cuda", dtype="float32", num_blocks=64, block_size=16)
+    with LLM(**kw) as llm:
+        refs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        block_bytes = llm.engine.runner.block_bytes
+    with DataParallelLLM(1, "kv_aware", prefill_engines=1, transport="process", tensor_parallel_size=2,
+                         **kw) as dp:
+        outs = dp.generate(prompts, sp)
+        stats, placed = dp.stats(), dp.engine.placements
+    assert [p["gpus"].split(",")[:2] for p in placed] == [["0", "1"], ["1", "0"]]
+    blocks = 0
+    for out, ref, p in zip(outs, refs, prompts):
+        full = (len(p) - 1) // 16
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.num_cached_tokens == full * 16 and out.metrics["cached_tokens_by_source"].get("device") == full * 16
+        blocks += full
+    r = stats["router"]
+    assert r["prefills"] == 4 and r["transferred_blocks"] == blocks and r["transferred_bytes"] == blocks * block_bytes
+    decode = stats["engines"][0]
+    assert decode["adopt_copy_bytes"] == blocks * block_bytes // 2 and decode["adopt_copy_s"] > 0  # rank 0's part
+
+
 def test_timed_copies_order_the_callers_stream_after_the_copy():
     """A copy queued behind a long kernel on the side stream, read at once on the caller's
     stream with no synchronisation in between: the read must see the new bytes (the caller's
