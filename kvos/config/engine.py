@@ -239,9 +239,10 @@ class EngineConfig:
             load_key_file(self.tier_encryption_key_file)  # raises ValueError naming tier_encryption_key_file
 
     def _check_tensor_parallel(self) -> None:
-        """ValueError naming the setting that cannot run with ``tensor_parallel_size`` > 1: whatever
-        moves whole blocks' bytes (tiers, swap, KV transfer), which the ranks hold in parts, and
-        speculative decoding."""
+        """ValueError naming the setting that cannot run with ``tensor_parallel_size`` > 1: tiers
+        and the transfer tier (a tier stores whole blocks from its own I/O thread, and the CPU
+        tier's digest frames are per rank) and speculative decoding. Swap runs: each rank saves
+        and restores its part of a block (``ParallelRunner.read_blocks``)."""
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -250,11 +251,10 @@ class EngineConfig:
         busy = [name for name, on in (
             ("cpu_cache_gb", self.cpu_cache_gb), ("disk_cache_dir", self.disk_cache_dir),
             ("remote_cache", self.remote_cache), ("kv_transfer_gb", self.kv_transfer_gb),
-            ("preemption_mode", self.preemption_mode == "swap"),
             ("speculative_config", self.speculative_config is not None)) if on]
         if busy:
-            raise ValueError(f"{busy[0]}: not supported with tensor_parallel_size {tp} yet (each rank holds part of "
-                             f"a block's bytes; tiers, swap, KV transfer and speculative decoding run with one rank)")
+            raise ValueError(f"{busy[0]}: not supported with tensor_parallel_size {tp} yet (tiers, the transfer tier "
+                             f"and speculative decoding run with one rank)")
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's settings: this config's fields of the same names."""

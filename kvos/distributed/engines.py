@@ -8,6 +8,7 @@ restarts actors itself; local processes are started anew here).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
@@ -313,6 +314,9 @@ class ProcessEngines:
         self._max_restarts = max_restarts
         self._restarts = [max_restarts] * n
         self.procs = [_Process(self._ctx, kwargs[i], i, self._threads, self._gpu[i], self._daemon) for i in range(n)]
+        if not self._daemon:  # at exit, before multiprocessing joins its non-daemonic children (which
+            # wait for their pipe to close): stop them
+            atexit.register(self.shutdown)
         try:  # built side by side
             for p in self.procs:
                 p.wait_started()

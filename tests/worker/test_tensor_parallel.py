@@ -76,8 +76,10 @@ def test_refused_settings_name_the_field():
 
 @pytest.fixture(scope="module")
 def default_tp3():
-    """The default model (9 heads, 3 KV heads) over 3 ranks, a pool small enough to preempt."""
-    with LLM(tensor_parallel_size=3, num_blocks=16, block_size=8, max_num_seqs=4) as llm:
+    """The default model (9 heads, 3 KV heads) over 3 ranks, a pool small enough to preempt, by
+    swap (each rank saves and restores its part of the blocks)."""
+    with LLM(tensor_parallel_size=3, num_blocks=16, block_size=8, max_num_seqs=4, preemption_mode="swap",
+             swap_space_gb=0.25) as llm:
         yield llm
 
 
@@ -98,6 +100,8 @@ def test_default_model_tp3_prefix_hits_preemption_and_forks(default_tp3, llm):
     assert got == ref
     stats = default_tp3.stats()
     assert stats["preemptions"] > before["preemptions"]
+    assert stats["swapped_out_blocks"] > before["swapped_out_blocks"]  # preempted by swap, each rank its part
+    assert stats["swapped_in_blocks"] > before["swapped_in_blocks"]
     first = run(default_tp3, PROMPTS[:1])[0]
     again, _, outs = run(default_tp3, PROMPTS[:1])
     assert again == first == run(llm, PROMPTS[:1])[0] and outs[0].num_cached_tokens == 32  # the 4 blocks before the last token
