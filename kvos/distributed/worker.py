@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -135,7 +136,9 @@ class EngineWorker:
         elif host_rows:  # no transfer tier (a tensor-parallel engine): written at the step boundary
             import torch
 
-            received = replace(received, rows=torch.from_numpy(received.rows))
+            with warnings.catch_warnings():  # Ray's object store hands read-only arrays: only read here
+                warnings.simplefilter("ignore", UserWarning)
+                received = replace(received, rows=torch.from_numpy(received.rows))
         elif received is not None and received.hashes:  # opened here to wake the link before the step boundary
             try:
                 received = replace(received, rows=received.rows.open())
