@@ -3,7 +3,9 @@ interface (offline batches from Python)."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
+import weakref
 from collections.abc import Sequence
 
 from kvos.core.outputs import RequestOutput
@@ -36,6 +38,8 @@ class DataParallelLLM:
         self._thread.start()
         self._run(self._start())
         self._ids = 0
+        self._closed = False
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
 
     async def _start(self) -> None:
         self.engine.start()
@@ -69,6 +73,10 @@ class DataParallelLLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
+        """Stop the engines (once; also at interpreter exit if never called)."""
+        if self._closed:
+            return
+        self._closed = True
         self._run(self.engine.stop_polling())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
@@ -79,3 +87,11 @@ class DataParallelLLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _shutdown_if_alive(ref: weakref.ref) -> None:
+    """At exit: a ``DataParallelLLM`` never shut down stops its engines before the interpreter
+    tears down the threads its event loop uses."""
+    llm = ref()
+    if llm is not None:
+        llm.shutdown()
