@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger("kvos.distributed")
@@ -111,13 +112,7 @@ def where_am_i() -> dict:
     """This process's place: host name, Ray node id (None outside Ray), visible GPUs."""
     import socket
 
-    node = None
-    try:
-        import ray
-
-        if ray.is_initialized():
-            node = ray.get_runtime_context().get_node_id()
-    except ImportError:
-        pass
+    ray = sys.modules.get("ray")  # a Ray worker has it imported; a plain engine process need not import it
+    node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
     return {"host": socket.gethostname(), "node": node, "pid": os.getpid(),
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}

@@ -284,10 +284,7 @@ class ParallelRunner(ModelRunner):
             raise ValueError(f"block rows of {rows.shape[1]} bytes do not split over {self.size} ranks")
         parts = rows.cpu().chunk(self.size, dim=1)
         self._send_each("write_rows", [(block_ids, p.contiguous().numpy(), group) for p in parts[1:]])
-        super().write_blocks(block_ids, parts[0].contiguous(), group=group)
-
-    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        raise NotImplementedError("tensor parallelism: a block's parts are on several GPUs (share_blocks)")
+        self._write_pages(block_ids, parts[0].contiguous(), group)
 
     def share_blocks(self, block_ids: list[int]) -> RankRows:
         """Each rank's part of the blocks, shared from its own GPU (``ModelRunner.share_blocks``)."""

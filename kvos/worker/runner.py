@@ -367,19 +367,14 @@ class ModelRunner:
             host[i: i + step].copy_(words[idx[i: i + step]].view(torch.uint8))
         return host
 
-    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks' bytes as a new ``uint8 [n, block_bytes]`` tensor on the pool's device,
-        gathered on the current stream (so after every step queued before). Only valid while
-        the blocks' content is what their owner says."""
-        pages = self.block_pages()
-        return as_words(pages).index_select(0, to_device(block_ids, torch.long, pages.device)).view(torch.uint8)
-
     def share_blocks(self, block_ids: list[int]) -> DeviceRows:
-        """The blocks' bytes (``gather_blocks``, on the current stream) shared by CUDA IPC for a
-        process of this host; returns once the gather is complete. GPU only; same validity rule as
-        ``gather_blocks``."""
+        """This runner's pages of the blocks, gathered into a new ``uint8 [n, block_bytes]`` tensor
+        on the current stream (so after every step queued before) and shared by CUDA IPC for a
+        process of this host; returns once the gather is complete. GPU only. Only valid while the
+        blocks' content is what their owner says."""
         torch.cuda.ipc_collect()  # free rows that earlier receivers are done with
-        rows = ModelRunner.gather_blocks(self, block_ids)  # this rank's pages (a ParallelRunner refuses the whole)
+        pages = self.block_pages()
+        rows = as_words(pages).index_select(0, to_device(block_ids, torch.long, pages.device)).view(torch.uint8)
         shared = DeviceRows.share(rows)
         torch.cuda.current_stream(self.device).synchronize()
         return shared
@@ -398,7 +393,7 @@ class ModelRunner:
         span.copy_(src[lo:hi], non_blocking=True)  # (the sender's GPU may carry this device's label: UVA finds it)
         end.record()
         local = [i - lo for i in positions]
-        ModelRunner.write_blocks(self, block_ids, span if len(local) == hi - lo else span[local])  # this rank's pages
+        self._write_pages(block_ids, span if len(local) == hi - lo else span[local])
         done = torch.cuda.Event()
         done.record()
         self._shared_open.append((start, end, done, src, span.numel()))
@@ -422,6 +417,10 @@ class ModelRunner:
         cache spec (the hash root includes the KV dtype, so a tier never offers another's). A
         host ``rows`` is copied to the device first (asynchronously when pinned: torch keeps its
         memory until the copy is done). ``group``: as for ``read_blocks``."""
+        self._write_pages(block_ids, rows, group)
+
+    def _write_pages(self, block_ids: list[int], rows: torch.Tensor, group: int | None = None) -> None:
+        """``write_blocks`` into this runner's own pages (a tensor-parallel rank's part)."""
         pages = self.block_pages(group)
         if rows.shape[1:] != pages.shape[1:]:
             raise ValueError(f"block rows of {rows.shape[1]} bytes do not fit pages of {pages.shape[1]}")
