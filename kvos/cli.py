@@ -188,7 +188,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                     router.router, a.ray_address, router.kv_weight,
                                     prefill_engines=a.prefill_engines or 0, transport=transport,
                                     router_balance=router.router_balance, engine_timeout_s=a.engine_timeout_s,
-                                    max_restarts=a.engine_max_restarts, encoder_engines=a.encoder_engines or 0)
+                                    max_restarts=a.engine_max_restarts, encoder_engines=a.encoder_engines or 0,
+                                    kv_transfer=a.kv_transfer)
         model_path = (resolve_config_path if kwargs.get("random_weights") else resolve_model_path)(kwargs["model"])
     else:
         local = LLMEngine(EngineConfig(**engine_kwargs(a)))
@@ -324,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "disaggregated prefill move GPU to GPU by CUDA IPC); or, for one engine, a thread of the "
                          "server. auto: on a CUDA device, processes (ray with --ray-address); on the CPU, ray for "
                          "several engines and a thread for one")
+    dp.add_argument("--kv-transfer", default="auto", choices=["auto", "host", "ipc", "p2p"],
+                    help="how prefill engines hand KV blocks to decode engines: host rows through the front end, "
+                         "CUDA IPC (processes of one GPU host), or p2p (each decode rank pulls its part over NCCL "
+                         "send/recv; gloo on the CPU). auto: ipc for processes on GPUs, p2p for Ray engines on "
+                         "GPUs, host otherwise")
     dp.add_argument("--engine-timeout-s", type=positive(float), default=30.0,
                     help="every call to an engine has this deadline (a poll: its wait plus this); an engine that "
                          "misses it takes no requests, its requests move or end, until it answers again")

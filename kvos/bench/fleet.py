@@ -81,6 +81,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-decode", action="store_true",
                    help="one more run: 1 prefill engine + 1 decode engine (kv_aware)")
     p.add_argument("--transport", default="process", choices=["process", "ray"])
+    p.add_argument("--kv-transfer", default="auto", choices=["auto", "host", "ipc", "p2p"],
+                   help="disaggregated prefill's hand-over (DataParallelEngine.kv_transfer)")
     p.add_argument("--peer-bandwidth", action="store_true", help="measure GPU0 -> GPU1 copy GB/s (2 CUDA GPUs)")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the model's")
     p.add_argument("--warmup-requests", type=int, default=4)
@@ -248,7 +250,7 @@ async def run_fleet(kw: dict, wl: Workload, a: argparse.Namespace, router: str, 
 
     rc = RouterConfig(router, **config_kwargs(a, RouterConfig, ROUTER_SETTINGS))
     dp = DataParallelEngine(kw, num_engines, rc.router, kv_weight=rc.kv_weight, prefill_engines=prefill_engines,
-                            transport=a.transport, router_balance=rc.router_balance)
+                            transport=a.transport, router_balance=rc.router_balance, kv_transfer=a.kv_transfer)
     startup = time.perf_counter() - t0
     dp.start()
     try:
@@ -265,7 +267,7 @@ async def run_fleet(kw: dict, wl: Workload, a: argparse.Namespace, router: str, 
         dp.shutdown()
     label = f"{num_engines} x DP {router}" if not prefill_engines else f"{prefill_engines}P + {num_engines}D {router}"
     return {"label": label, "router": router, "decode_engines": num_engines, "prefill_engines": prefill_engines,
-            "startup_s": startup, "warmup_routed": warm, **summarize(records, wall, router_stats, engines, num_engines),
+            "startup_s": startup, "warmup_routed": warm, "kv_transfer": dp.kv_transfer, **summarize(records, wall, router_stats, engines, num_engines),
             "records": records}
 
 
@@ -317,6 +319,13 @@ def summarize(records: list[dict], wall: float, router: dict, engines: list[dict
                                    warm_reads=sum(e.get("adopt_warm_copies", 0) for e in engines),
                                    warm_s=warm_s,
                                    device_copy_gb_s_with_warm=(copied + warm_b) / 1e9 / (copy_s + warm_s))
+        # p2p: rank 0's pulls over NCCL/gloo, wall time of each (the sender's answer in it), less
+        # each channel's first (which makes the channel)
+        pulled = sum(e.get("p2p_received_bytes", 0) - e.get("p2p_setup_bytes", 0) for e in engines)
+        pull_s = sum(e.get("p2p_received_s", 0.0) - e.get("p2p_setup_s", 0.0) for e in engines)
+        if pulled and pull_s:
+            res["transfer"].update(p2p_gb=pulled / 1e9, p2p_s=pull_s, p2p_gb_s=pulled / 1e9 / pull_s,
+                                   p2p_setup_s=sum(e.get("p2p_setup_s", 0.0) for e in engines))
     return res
 
 

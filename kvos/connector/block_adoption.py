@@ -7,7 +7,9 @@ import torch
 
 from kvos.cache.block import BlockHash
 from kvos.cache.kv_manager import KVCacheManager
+from kvos.worker import peer_channel
 from kvos.worker.device_rows import RankRows
+from kvos.worker.peer_channel import PeerRows
 from kvos.worker.runner import ModelRunner
 from kvos.worker.timed_copies import TimedCopies
 
@@ -44,6 +46,13 @@ class BlockAdopter:
         blocks = pool.get_new_blocks(len(todo))
         if isinstance(rows, RankRows):  # each rank copies its part from its peer rank's GPU
             self.runner.write_shared_rows([b.block_id for b in blocks], rows, todo)
+            return self._cache(blocks, todo, hashes, parent, depth, self.runner.block_bytes)
+        if isinstance(rows, PeerRows):  # each rank pulls its part over its channel (or it was pulled already)
+            try:
+                self.runner.write_peer_rows([b.block_id for b in blocks], rows, todo)
+            except Exception:
+                pool.free_blocks(reversed(blocks))  # not cached: the request computes them
+                raise
             return self._cache(blocks, todo, hashes, parent, depth, self.runner.block_bytes)
         span = rows[todo[0]: todo[-1] + 1]
         if self._copies is not None and rows.device.type == "cuda":  # one peer DMA beside the steps, then a local scatter
@@ -86,8 +95,11 @@ class BlockAdopter:
         """``adopt_copy_bytes / adopt_copy_s``: the peer copies' rate over the link (device time
         of the copies alone, not the local scatter after them), and per size class the spread of
         the copies' own rates (``_spread``); ``adopt_warm_*``: the reads that woke the link
-        ahead of them."""
+        ahead of them; ``p2p_received_*``: rank 0's pulls over point-to-point channels (wall time
+        of each, the sender's answer included), ``p2p_setup_*`` of them each channel's first,
+        which also made the channel."""
         c = self._copies
+        inbox = peer_channel.inbox(self.runner.device)  # rank 0's parts pulled over p2p channels
         shared = 0, 0.0  # tensor parallelism: rank 0's part, copied by the runner (each rank its own)
         if self.runner.device.type == "cuda":
             self.runner.collect_shared_copies()
@@ -98,7 +110,9 @@ class BlockAdopter:
                 "adopt_copies_by_size": dict(c.by_size) if c else {},
                 "adopt_copy_gb_s_spread": {k: _spread(v) for k, v in c.rates.items()} if c else {},
                 "adopt_warm_copies": c.warm_copies if c else 0, "adopt_warm_bytes": c.warm_bytes if c else 0,
-                "adopt_warm_s": c.warm_seconds if c else 0.0}
+                "adopt_warm_s": c.warm_seconds if c else 0.0,
+                "p2p_received_bytes": inbox.received_bytes, "p2p_received_s": inbox.received_s,
+                "p2p_setup_bytes": inbox.setup_bytes, "p2p_setup_s": inbox.setup_s}
 
 
 def _spread(rates: list[float]) -> dict:

@@ -26,7 +26,8 @@ class _Held:
     hashes: list[bytes]
     blocks: list[KVBlock]
     """Referenced: their bytes stay as computed until released on the stepping thread."""
-    on_device: bool
+    transfer: str
+    """``kv_transfer.TRANSFERS``: the form ``take`` hands the rows over in."""
     ready_event: object | None
     """CUDA event after the step that computed them (the reads wait for it)."""
     since: float
@@ -53,9 +54,9 @@ class BlockExports:
         self._shared_bytes = 0
         self._stream = None
 
-    def expect(self, request_id: str, hashes: list[bytes], on_device: bool) -> None:
+    def expect(self, request_id: str, hashes: list[bytes], transfer: str) -> None:
         with self._cond:
-            self._expected[request_id] = (hashes, on_device)
+            self._expected[request_id] = (hashes, transfer)
 
     @property
     def pending(self) -> bool:
@@ -68,7 +69,7 @@ class BlockExports:
             job = self._expected.get(request_id)
         if job is None:
             return
-        hashes, on_device = job
+        hashes, transfer = job
         pool = self.engine.kv.pool
         blocks: list[KVBlock] = []
         for h in hashes:
@@ -85,7 +86,7 @@ class BlockExports:
             event.record()
         with self._cond:
             if request_id in self._expected:
-                self._held[request_id] = _Held(hashes[: len(blocks)], blocks, on_device, event, time.monotonic())
+                self._held[request_id] = _Held(hashes[: len(blocks)], blocks, transfer, event, time.monotonic())
                 self._cond.notify_all()
             else:
                 self.release(blocks)
@@ -129,24 +130,31 @@ class BlockExports:
             return EMPTY
         runner = self.engine.runner
         ids = [b.block_id for b in blocks]
-        if runner.device.type != "cuda":
-            rows = runner.read_blocks(ids).numpy()
+        nbytes = len(ids) * runner.block_bytes
+        on_gpu = runner.device.type == "cuda"
+        with self._cond:
+            share = ((held.transfer == "ipc" and on_gpu) or held.transfer == "p2p") and \
+                self._shared_bytes + nbytes <= self.MAX_SHARED_BYTES
+            if share:
+                self._shared_bytes += nbytes
+        if not on_gpu:
+            try:
+                rows = runner.hold_blocks(ids) if share else runner.read_blocks(ids).numpy()
+            except BaseException:
+                if share:
+                    self.done(nbytes)
+                raise
             return ExtractedBlocks(held.hashes[skip:], blocks[0].parent_hash, blocks[0].depth, rows)
         import torch
 
-        nbytes = len(ids) * runner.block_bytes
-        with self._cond:
-            share = held.on_device and self._shared_bytes + nbytes <= self.MAX_SHARED_BYTES
-            if share:
-                self._shared_bytes += nbytes
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=runner.device)
         with torch.cuda.stream(self._stream):
             if held.ready_event is not None:
                 self._stream.wait_event(held.ready_event)
-            if share:  # DeviceRows, or RankRows from a tensor-parallel runner
+            if share:  # DeviceRows (RankRows from a tensor-parallel runner), or PeerRows
                 try:
-                    rows: object = runner.share_blocks(ids)
+                    rows: object = runner.share_blocks(ids) if held.transfer == "ipc" else runner.hold_blocks(ids)
                 except BaseException:
                     self.done(nbytes)
                     raise

@@ -22,7 +22,8 @@ from kvos.distributed.engines import (
     ProcessEngines,
     RayEngines,
 )
-from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks, RankRows
+from kvos.distributed.kv_transfer import DEVICE_ROWS, ExtractedBlocks
+from kvos.distributed.kv_transfer import TRANSFERS as KV_TRANSFERS
 from kvos.distributed.output_delta import OutputAccumulator
 from kvos.distributed.worker import EngineInfo, PollResult
 from kvos.engine.client import (
@@ -146,7 +147,8 @@ class DataParallelEngine:
                  address: str | None = None, kv_weight: float = DEFAULT_KV_WEIGHT, max_restarts: int = 3,
                  poll_s: float = 0.2, prefill_engines: int = 0, transport: str = "ray",
                  router_balance: tuple[int, float] = DEFAULT_BALANCE,
-                 engine_timeout_s: float = ENGINE_TIMEOUT_S, encoder_engines: int = 0) -> None:
+                 engine_timeout_s: float = ENGINE_TIMEOUT_S, encoder_engines: int = 0,
+                 kv_transfer: str = "auto") -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_engines < 1:
@@ -155,6 +157,10 @@ class DataParallelEngine:
             raise ValueError(f"prefill_engines must be >= 0, got {prefill_engines}")
         if encoder_engines < 0:
             raise ValueError(f"encoder_engines must be >= 0, got {encoder_engines}")
+        if kv_transfer not in ("auto", *KV_TRANSFERS):
+            raise ValueError(f"kv_transfer must be one of {('auto', *KV_TRANSFERS)}, got {kv_transfer!r}")
+        if kv_transfer == "ipc" and transport == "ray":
+            raise ValueError("kv_transfer 'ipc': Ray actors see only their own GPUs; use 'p2p' (NCCL send/recv)")
         if not engine_timeout_s > 0:
             raise ValueError(f"engine_timeout_s must be > 0, got {engine_timeout_s}")
         self.engine_timeout_s = engine_timeout_s
@@ -190,6 +196,14 @@ class DataParallelEngine:
         self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]
         self.placements: list[dict] = [self.engines.call_sync(i, "placement") for i in range(total)]
         """Where each engine runs (``EngineWorker.placement``), refreshed when it restarts."""
+        on_gpus = all(p.get("device", "").startswith("cuda") for p in self.placements)
+        if kv_transfer == "ipc" and not self.engines.device_transfer:
+            raise ValueError("kv_transfer 'ipc' needs engines that are processes of one GPU host")
+        self.kv_transfer = kv_transfer if kv_transfer != "auto" else (
+            "ipc" if self.engines.device_transfer else "p2p" if on_gpus else "host")
+        """How prefill engines hand blocks to decode engines (``kv_transfer.TRANSFERS``): CUDA IPC
+        between processes of one GPU host, NCCL send/recv between Ray actors on GPUs (on one host
+        or between hosts), host rows otherwise."""
         capacity = max(1, self.engine_stats[0].get("total") or 2000)  # approx remembers a pool's worth
         self.num_decode = num_engines
         self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity, router_balance)
@@ -368,7 +382,7 @@ class DataParallelEngine:
             self._count(i, pre)
             self.router_stats.routed[i] += 1
             await self._call(i, "add", pre.request_id, rec.prompt["prompt_token_ids"], pre.params,
-                             rec.priority, rec.salt, rec.hashes, self.engines.device_transfer, None, (),
+                             rec.priority, rec.salt, rec.hashes, self.kv_transfer, None, (),
                              rec.prompt.get("multi_modal_data"))
             while True:
                 item = await pre.stream.queue.get()
@@ -431,7 +445,7 @@ class DataParallelEngine:
                                       rec.prompt.get("segment_spans") or (), media)
             self._remember_held(e, rec)
         finally:
-            if found is not None and isinstance(found.rows, (DeviceRows, RankRows)):
+            if found is not None and isinstance(found.rows, DEVICE_ROWS):
                 self.engines.notify(source, "transfer_done", found.rows.nbytes)
         if found is not None and found.hashes:
             self.router_stats.transferred_blocks += stored

@@ -20,6 +20,7 @@ class DataParallelLLM:
     ``encoder_engines`` > 0 adds engines that only run a vision model's image encoder (E/PD).
     ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray). ``kv_weight``
     and ``router_balance``: kv_aware's cost weight and balance guard (``kvos.router.policies``).
+    ``kv_transfer``: how prefill engines hand blocks over (``DataParallelEngine.kv_transfer``).
 
     The ``DataParallelEngine`` lives on an event loop of its own thread; ``generate`` submits
     every prompt, waits for all, and returns the outputs in prompt order. Call ``shutdown`` (or
@@ -29,10 +30,11 @@ class DataParallelLLM:
     def __init__(self, num_engines: int = 2, router: str = "kv_aware", prefill_engines: int = 0,
                  ray_address: str | None = None, transport: str = "ray", kv_weight: float = DEFAULT_KV_WEIGHT,
                  router_balance: tuple[int, float] = DEFAULT_BALANCE, encoder_engines: int = 0,
-                 **engine_kwargs) -> None:
+                 kv_transfer: str = "auto", **engine_kwargs) -> None:
         self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address, kv_weight,
                                          prefill_engines=prefill_engines, transport=transport,
-                                         router_balance=router_balance, encoder_engines=encoder_engines)
+                                         router_balance=router_balance, encoder_engines=encoder_engines,
+                                         kv_transfer=kv_transfer)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvos-dp-loop", daemon=True)
         self._thread.start()

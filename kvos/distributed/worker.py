@@ -16,7 +16,7 @@ from kvos.core.load import EngineLoad
 from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
 from kvos.distributed.block_export import BlockExports
-from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks, RankRows
+from kvos.distributed.kv_transfer import DeviceRows, ExtractedBlocks, PeerRows, RankRows
 from kvos.distributed.output_delta import DeltaEncoder, OutputDelta
 from kvos.engine.media import MediaLimits
 from kvos.models.config import VisionShape
@@ -113,7 +113,7 @@ class EngineWorker:
         return self.engine.tokenizer
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-            cache_salt: str | None = None, export: list[bytes] | None = None, on_device: bool = False,
+            cache_salt: str | None = None, export: list[bytes] | None = None, transfer: str = "host",
             received: ExtractedBlocks | None = None, segment_spans: tuple = (),
             multi_modal_data: dict | None = None) -> int:
         """Queue a request; raises ``ValueError`` (naming the field) if the engine refuses it.
@@ -122,34 +122,43 @@ class EngineWorker:
 
         Disaggregated prefill: ``export`` (on a prefill engine): when the request finishes, the
         blocks of these hashes that the cache holds are kept (referenced) for ``take_export``
-        (``on_device``: read as ``DeviceRows`` for a process of this host). ``received``
+        (``transfer``: in the form ``kv_transfer.TRANSFERS`` names). ``received``
         (on a decode engine): blocks another engine exported, stored first: device rows are
         opened at once, with a small read that wakes the link (``LLMEngine.warm_adoption``),
         and copied into this engine's pool between steps, just before the request is queued
-        (``RankRows``: each rank copies its part); host rows go into the transfer tier, or without
-        one (tensor parallelism) are written like device rows. Returns how many blocks were stored."""
+        (``RankRows``: each rank copies its part); ``PeerRows`` are pulled here over their channel
+        (one rank; a tensor-parallel engine's ranks pull their parts at the step boundary); host
+        rows go into the transfer tier, or without one (tensor parallelism) are written like device
+        rows. Returns how many blocks were stored."""
         stored = 0
-        host_rows = received is not None and received.hashes and not isinstance(received.rows, (DeviceRows, RankRows))
-        if host_rows and getattr(self.engine.offload, "transfer", None) is not None:
-            stored = self.engine.offload.receive(received.hashes, received.rows)
-            received = None
-        elif host_rows:  # no transfer tier (a tensor-parallel engine): written at the step boundary
-            import torch
-
-            with warnings.catch_warnings():  # Ray's object store hands read-only arrays: only read here
-                warnings.simplefilter("ignore", UserWarning)
-                received = replace(received, rows=torch.from_numpy(received.rows))
-        elif received is not None and received.hashes:  # opened here to wake the link before the step boundary
+        rows = received.rows if received is not None and received.hashes else None
+        if isinstance(rows, PeerRows):
+            if len(rows.tickets) == 1:  # pulled now, beside the steps
+                try:
+                    received = replace(received, rows=replace(rows, received=self.engine.runner.receive_peer_rows(rows)))
+                except Exception:  # the request computes the blocks itself
+                    log.exception("%s: pulling %s's blocks failed", self.engine_id, request_id)
+                    received = None
+        elif isinstance(rows, (DeviceRows, RankRows)):  # opened here to wake the link before the step boundary
             try:
-                received = replace(received, rows=received.rows.open())
+                received = replace(received, rows=rows.open())
                 self.engine.warm_adoption(received.rows)
             except Exception:  # the request computes the blocks itself
                 log.exception("%s: opening %s's blocks failed", self.engine_id, request_id)
                 received = None
+        elif rows is not None and getattr(self.engine.offload, "transfer", None) is not None:  # host rows
+            stored = self.engine.offload.receive(received.hashes, rows)
+            received = None
+        elif rows is not None:  # host rows, no transfer tier (a tensor-parallel engine): written at the step boundary
+            import torch
+
+            with warnings.catch_warnings():  # Ray's object store hands read-only arrays: only read here
+                warnings.simplefilter("ignore", UserWarning)
+                received = replace(received, rows=torch.from_numpy(rows))
         done = threading.Event()
         box: list = [None, 0]
         with self._lock:
-            self._cmds.append(("add", (request_id, prompt_token_ids, params, priority, cache_salt, export, on_device,
+            self._cmds.append(("add", (request_id, prompt_token_ids, params, priority, cache_salt, export, transfer,
                                        received, segment_spans, multi_modal_data), done, box))
             self._changed.notify_all()
         done.wait()
@@ -224,11 +233,12 @@ class EngineWorker:
         return self.engine_id
 
     def placement(self) -> dict:
-        """Where this engine runs (``ray_cluster.where_am_i``: host, Ray node, GPUs) and its
-        tensor-parallel size."""
+        """Where this engine runs (``ray_cluster.where_am_i``: host, Ray node, GPUs), its device
+        and its tensor-parallel size."""
         from kvos.distributed.ray_cluster import where_am_i
 
-        return {**where_am_i(), "tensor_parallel_size": self.engine.config.tensor_parallel_size}
+        return {**where_am_i(), "device": str(self.engine.runner.device),
+                "tensor_parallel_size": self.engine.config.tensor_parallel_size}
 
     def shutdown(self) -> None:
         with self._lock:
@@ -253,7 +263,7 @@ class EngineWorker:
         e = self.engine
         for kind, arg, done, box in cmds:
             if kind == "add":
-                rid, ids, params, priority, salt, export, on_device, received, spans, mm = arg
+                rid, ids, params, priority, salt, export, transfer, received, spans, mm = arg
                 if received is not None and received.hashes:
                     try:
                         box[1] = e.adopt_blocks(received.hashes, received.parent, received.rows, received.depth)
@@ -267,7 +277,7 @@ class EngineWorker:
                                   priority=priority,
                                   cache_salt=salt)
                     if export:
-                        self.exports.expect(rid, export, on_device)
+                        self.exports.expect(rid, export, transfer)
                 except Exception as err:  # a bad request never stops the engine
                     box[0] = err
                 done.set()

@@ -32,6 +32,7 @@ from kvos.core.step import StepDescription
 from kvos.models.loader import read_model_config
 from kvos.models.tensor_parallel import TPGroup, check_tensor_parallel
 from kvos.worker.device_rows import RankRows
+from kvos.worker.peer_channel import PeerRows
 from kvos.worker.runner import LaunchedStep, ModelRunner
 
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -39,7 +40,7 @@ COLLECTIVE_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 600.0
 """How long rank 0 waits for a worker to load its shard."""
 
-_REPLIES = ("profile_kv_budget", "read_rows", "share_blocks")
+_REPLIES = ("profile_kv_budget", "read_rows", "share_blocks", "hold_blocks", "write_peer_rows")
 """Worker calls whose result rank 0 reads (in the order it asked); the others are
 fire-and-forget (a failure ends the worker and fails rank 0's next call)."""
 
@@ -53,7 +54,18 @@ def _write_rows(runner: ModelRunner, block_ids: list[int], part, group: int | No
     runner.write_blocks(block_ids, torch.from_numpy(part), group=group)
 
 
-_RANK_CALLS = {"read_rows": _read_rows, "write_rows": _write_rows}
+def _write_peer_rows(runner: ModelRunner, block_ids: list[int], rows: PeerRows, positions: list[int],
+                     part: int) -> str | None:
+    """A rank's part of another engine's held rows written into its pool; the error's text
+    instead of ending the worker (rank 0 then leaves the blocks uncached)."""
+    try:
+        runner.write_peer_rows(block_ids, rows, positions, part)
+    except Exception as err:  # noqa: BLE001 - the sender's side failed, not this rank
+        return f"rank {part}: {err}"
+    return None
+
+
+_RANK_CALLS = {"read_rows": _read_rows, "write_rows": _write_rows, "write_peer_rows": _write_peer_rows}
 """Worker calls that are not ``ModelRunner`` methods of the same name."""
 
 
@@ -299,6 +311,30 @@ class ParallelRunner(ModelRunner):
                              f"{self.size} parts (the same tensor_parallel_size on both sides)")
         self._send_each("write_shared_rows", [(block_ids, p, positions) for p in rows.parts[1:]])
         super().write_shared_rows(block_ids, rows.parts[0], positions)
+
+    def hold_blocks(self, block_ids: list[int]) -> PeerRows:
+        """Each rank's part of the blocks, held on its own device for the receiver's rank of the
+        same index (``ModelRunner.hold_blocks``)."""
+        replies = self._send("hold_blocks", block_ids)
+        parts = [super().hold_blocks(block_ids), *(f.result(COLLECTIVE_TIMEOUT_S) for f in replies)]
+        return PeerRows([p.addresses[0] for p in parts], [p.tickets[0] for p in parts], parts[0].rows,
+                        parts[0].part_bytes)
+
+    def write_peer_rows(self, block_ids: list[int], rows: PeerRows, positions: list[int], part: int = 0) -> None:
+        """Rank r pulls part r of ``rows`` (a sender with as many ranks) and writes it; raises
+        (after every rank is done) if any rank failed, so the caller leaves the blocks uncached."""
+        if len(rows.tickets) != self.size:
+            raise ValueError(f"tensor parallelism: rows held by another engine's ranks must come in "
+                             f"{self.size} parts (the same tensor_parallel_size on both sides)")
+        replies = self._send_each("write_peer_rows", [(block_ids, rows, positions, r) for r in range(1, self.size)])
+        errors = []
+        try:
+            super().write_peer_rows(block_ids, rows, positions, 0)
+        except Exception as err:  # noqa: BLE001 - reported after the other ranks answered
+            errors.append(f"rank 0: {err}")
+        errors += [e for e in (f.result(COLLECTIVE_TIMEOUT_S) for f in replies) if e]
+        if errors:
+            raise RuntimeError("p2p: " + "; ".join(errors))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the workers (reaped, killed after ``timeout``) and leave the process group."""

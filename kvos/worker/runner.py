@@ -18,11 +18,13 @@ from kvos.models.loader import load_model
 from kvos.models.ops import triton_enabled
 from kvos.models.state import StateCache, state_metadata
 from kvos.models.tensor_parallel import TPGroup, shard_plan
+from kvos.worker import peer_channel
 from kvos.worker.block_digest import page_digests
 from kvos.worker.cuda_graphs import DecodeGraphs
 from kvos.worker.device_rows import DeviceRows
 from kvos.worker.draft_model import DraftModel
 from kvos.worker.host_copies import as_words, to_device
+from kvos.worker.peer_channel import PeerRows
 from kvos.worker.sampler import (
     PendingPromptLogprobs,
     PendingSamples,
@@ -378,6 +380,36 @@ class ModelRunner:
         shared = DeviceRows.share(rows)
         torch.cuda.current_stream(self.device).synchronize()
         return shared
+
+    def hold_blocks(self, block_ids: list[int]) -> PeerRows:
+        """This runner's pages of the blocks, gathered into new rows held for one receiver that
+        pulls them over a point-to-point channel (``peer_channel``: NCCL on a GPU, gloo on the
+        CPU); returns once the gather is complete. Only valid while the blocks' content is what
+        their owner says; the held rows are a copy, so the blocks may change after."""
+        pages = self.block_pages()
+        rows = as_words(pages).index_select(0, to_device(block_ids, torch.long, pages.device)).view(torch.uint8)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        box = peer_channel.outbox(self.device)
+        ticket = box.hold(rows)
+        return PeerRows([box.address], [ticket], rows.shape[0], rows.shape[1])
+
+    def receive_peer_rows(self, rows: PeerRows, part: int = 0) -> torch.Tensor:
+        """Part ``part`` of rows another engine holds (``hold_blocks``), pulled to this device;
+        complete on return. Raises when the sender no longer holds them or the channel fails."""
+        got = peer_channel.inbox(self.device).receive(rows, part)
+        if got is None:
+            raise RuntimeError("p2p: the sending engine no longer holds these rows (expired or restarted)")
+        return got
+
+    def write_peer_rows(self, block_ids: list[int], rows: PeerRows, positions: list[int], part: int = 0) -> None:
+        """Fill ``block_ids`` from rows ``positions`` of part ``part`` of another engine's held
+        rows (``receive_peer_rows``, unless ``rows.received`` holds them already, then
+        ``write_blocks``' scatter). Same rules as ``write_blocks``."""
+        got = rows.received if rows.received is not None else self.receive_peer_rows(rows, part)
+        self._write_pages(block_ids, got if len(positions) == got.shape[0] else got[positions])
+        if got.is_cuda:  # received on the channel's stream, read on this one
+            got.record_stream(torch.cuda.current_stream(self.device))
 
     def write_shared_rows(self, block_ids: list[int], rows: DeviceRows, positions: list[int]) -> None:
         """Fill ``block_ids`` from rows ``positions`` of another process's shared rows (one peer

@@ -22,13 +22,19 @@ def test_the_tier_offload_is_a_kv_connector(make_llm):
     assert [t.name for t in offload.h.tiers] == ["transfer"] and offload.cpu is None
 
 
-def test_prefill_engine_hands_its_blocks_to_the_decode_engine(llm):
-    """Through ``DataParallelLLM`` (the blocking Python interface)."""
+@pytest.mark.parametrize("kv_transfer", ["auto", "p2p"])
+def test_prefill_engine_hands_its_blocks_to_the_decode_engine(llm, kv_transfer):
+    """Through ``DataParallelLLM`` (the blocking Python interface). ``auto`` on the CPU: host rows
+    through Ray's object store into the decode engine's transfer tier; ``p2p``: the decode actor
+    pulls them from the prefill actor over gloo and writes them into its pool."""
     from kvos.distributed import DataParallelLLM
 
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     refs = llm.generate(PROMPTS, sp, use_tqdm=False)
-    with DataParallelLLM(1, "kv_aware", prefill_engines=1, ray_address="local", num_blocks=128) as dp:
+    landed = "transfer" if kv_transfer == "auto" else "device"  # where the moved blocks are found
+    with DataParallelLLM(1, "kv_aware", prefill_engines=1, ray_address="local", num_blocks=128,
+                         kv_transfer=kv_transfer) as dp:
+        assert dp.engine.kv_transfer == ("host" if kv_transfer == "auto" else "p2p")
         outs = dp.generate(PROMPTS, sp)
         stats = dp.stats()
         blocks = 0
@@ -36,7 +42,8 @@ def test_prefill_engine_hands_its_blocks_to_the_decode_engine(llm):
             assert out.outputs[0].token_ids == ref.outputs[0].token_ids
             full = (len(ref.prompt_token_ids) - 1) // 16  # every full block but the last token's
             assert out.metrics["engine"] == 0  # the decode engine generated it
-            assert out.metrics["cached_tokens_by_source"] == {"device": 0, "transfer": full * 16}
+            by_source = out.metrics["cached_tokens_by_source"]
+            assert by_source[landed] == sum(by_source.values()) == full * 16, by_source
             assert out.num_cached_tokens == full * 16
             blocks += full
         r = stats["router"]
@@ -49,8 +56,12 @@ def test_prefill_engine_hands_its_blocks_to_the_decode_engine(llm):
     full2 = (len(ref2.prompt_token_ids) - 1) // 16
     assert out2.outputs[0].token_ids == ref2.outputs[0].token_ids
     by_source = out2.metrics["cached_tokens_by_source"]
-    assert by_source["device"] >= (len(refs[0].prompt_token_ids) - 1) // 16 * 16  # the first turn's
-    assert by_source["device"] + by_source["transfer"] == full2 * 16, by_source
-    assert moved * 16 == by_source["transfer"] > 0  # only the blocks the decode engine lacked moved
+    assert sum(by_source.values()) == full2 * 16, by_source
+    if kv_transfer == "auto":
+        assert by_source["device"] >= (len(refs[0].prompt_token_ids) - 1) // 16 * 16  # the first turn's
+        assert moved * 16 == by_source["transfer"] > 0  # only the blocks the decode engine lacked moved
+    else:
+        assert by_source.get("transfer", 0) == 0 and 0 < moved < full2  # only the blocks the decode engine lacked moved
+        assert stats["engines"][0]["p2p_received_bytes"] == blocks * llm.engine.runner.block_bytes
     assert [e["role"] for e in stats["engines"]] == ["decode", "prefill"]
     assert stats["engines"][1]["prefix_queries_tokens"] == sum(len(o.prompt_token_ids) for o in refs)

@@ -369,6 +369,39 @@ def test_disaggregated_prefill_between_tensor_parallel_engines(folder):
     assert decode["adopt_copy_bytes"] == blocks * block_bytes // 2 and decode["adopt_copy_s"] > 0  # rank 0's part
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_disaggregated_prefill_pulls_blocks_over_nccl(folder, tp):
+    """``kv_transfer="p2p"`` (as between hosts, or Ray actors on GPUs): decode rank r pulls the
+    prefill rank r's part of the prompt's blocks over NCCL send/recv (one GPU to the other), and
+    the outputs equal one single-rank engine's."""
+    from kvos import LLM
+    from kvos.distributed import DataParallelLLM
+
+    path, _ = folder
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (90 + 37 * i,), generator=g).tolist() for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(model=str(path), device="cuda", dtype="float32", num_blocks=64, block_size=16)
+    with LLM(**kw) as llm:
+        refs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        block_bytes = llm.engine.runner.block_bytes
+    with DataParallelLLM(1, "kv_aware", prefill_engines=1, transport="process", tensor_parallel_size=tp,
+                         kv_transfer="p2p", **kw) as dp:
+        outs = dp.generate(prompts, sp)
+        stats, placed = dp.stats(), dp.engine.placements
+    assert placed[0]["gpus"].split(",")[0] != placed[1]["gpus"].split(",")[0]
+    blocks = 0
+    for out, ref, p in zip(outs, refs, prompts):
+        full = (len(p) - 1) // 16
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.num_cached_tokens == full * 16 and out.metrics["cached_tokens_by_source"].get("device") == full * 16
+        blocks += full
+    assert stats["router"]["prefills"] == 4 and stats["router"]["transferred_blocks"] == blocks
+    decode = stats["engines"][0]
+    assert decode["p2p_received_bytes"] == blocks * block_bytes // tp and decode["adopt_copy_bytes"] == 0
+
+
 def test_timed_copies_order_the_callers_stream_after_the_copy():
     """A copy queued behind a long kernel on the side stream, read at once on the caller's
     stream with no synchronisation in between: the read must see the new bytes (the caller's

@@ -44,24 +44,29 @@ def test_random_weight_configs_match_one_rank(config, tp):
     assert_close(rows, ref_rows, 1e-5)
 
 
-def test_prefill_and_decode_engines_of_two_ranks_each():
+@pytest.mark.parametrize("kv_transfer", ["host", "p2p"])
+def test_prefill_and_decode_engines_of_two_ranks_each(kv_transfer):
     """A prefill and a decode engine, each a process over 2 ranks of its own (the ranks are the
     engine process's children): the tokens of one single-rank engine; each prompt's blocks
     computed by the prefill engine's ranks reach the decode engine's ranks in parts (rank r
-    writes rank r's K/V heads) and count as cached there."""
+    writes rank r's K/V heads) and count as cached there. ``host``: the parts travel joined
+    through the front end; ``p2p``: decode rank r pulls prefill rank r's part over gloo."""
     from kvos.distributed import DataParallelLLM
 
     kw = dict(random_weights=True, skip_tokenizer_init=True, max_num_seqs=4, device="cpu")
     with LLM("qwen3-tiny", **kw) as one:
         ref, _, _ = run(one, PROMPTS)
+        part_bytes = one.engine.runner.block_bytes // 2
     with DataParallelLLM(1, "kv_aware", prefill_engines=1, transport="process", model="qwen3-tiny",
-                         tensor_parallel_size=2, **kw) as dp:
+                         tensor_parallel_size=2, kv_transfer=kv_transfer, **kw) as dp:
         outs = dp.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
         placed, stats = dp.engine.placements, dp.stats()
+    blocks = sum(len(p) // 16 for p in PROMPTS)
     assert [[c.token_ids for c in o.outputs] for o in outs] == ref
     assert [o.num_cached_tokens for o in outs] == [len(p) // 16 * 16 for p in PROMPTS]  # every full block handed over
-    assert stats["router"]["prefills"] == 3 and stats["engines"][0]["adopted_blocks"] == sum(len(p) // 16 for p in PROMPTS)
+    assert stats["router"]["prefills"] == 3 and stats["engines"][0]["adopted_blocks"] == blocks
     assert [p["tensor_parallel_size"] for p in placed] == [2, 2] and placed[0]["pid"] != placed[1]["pid"]
+    assert stats["engines"][0]["p2p_received_bytes"] == (blocks * part_bytes if kv_transfer == "p2p" else 0)
 
 
 def test_refused_settings_name_the_field():
