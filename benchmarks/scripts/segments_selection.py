@@ -166,7 +166,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
-    llm = LLM(kv_cache_memory_bytes=1 << 29)
+    llm = LLM(kv_cache_memory_bytes=1 << 29, segment_reuse=True)  # (its header: what a source chain starts with)
     _, prompts = build_set(llm.get_tokenizer(), 6, 300, 3, 24, 0)  # kvos bench segments' set (its defaults)
     study = Study(llm)
     per_prompt = [study.prompt(segs, a.shares) for segs in prompts[: a.prompts]]
