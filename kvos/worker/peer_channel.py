@@ -15,13 +15,17 @@ Protocol, one channel per (sending process, receiving process), made on first us
   time, so sends and receives pair up without tags (NCCL has none).
 
 Safety: held rows are the sender's own copies (a gather), so the blocks they came from may be
-freed or rewritten at once; rows nobody asks for within ``PeerOutbox.TTL_S`` are dropped.
+freed or rewritten at once; rows nobody asks for within ``PeerOutbox.TTL_S`` are dropped at the
+next ``hold``. Tickets are random 62-bit numbers: a process that reaches the store but was not
+given a ticket (through the front end) cannot guess one. The store and NCCL's sockets are not
+authenticated otherwise: run engines on a trusted network, as for NCCL itself.
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -105,7 +109,6 @@ class PeerOutbox:
         self.device = device
         self._lock = threading.Lock()
         self._held: dict[int, tuple[torch.Tensor, float]] = {}
-        self._next = 0
         self._store = None
         self.address = ""
         self.sent_bytes = 0
@@ -121,9 +124,9 @@ class PeerOutbox:
             now = time.monotonic()
             for t in [t for t, (_, since) in self._held.items() if now - since > self.TTL_S]:
                 del self._held[t]
-            self._next += 1
-            self._held[self._next] = (rows, now)
-            return self._next
+            ticket = secrets.randbits(62) or 1
+            self._held[ticket] = (rows, now)
+            return ticket
 
     @property
     def held(self) -> int:
