@@ -239,22 +239,21 @@ class EngineConfig:
             load_key_file(self.tier_encryption_key_file)  # raises ValueError naming tier_encryption_key_file
 
     def _check_tensor_parallel(self) -> None:
-        """ValueError naming the setting that cannot run with ``tensor_parallel_size`` > 1: tiers
-        and the transfer tier (a tier stores whole blocks from its own I/O thread, and the CPU
-        tier's digest frames are per rank) and speculative decoding. Swap runs: each rank saves
-        and restores its part of a block (``ParallelRunner.read_blocks``)."""
+        """ValueError naming the setting that cannot run with ``tensor_parallel_size`` > 1:
+        speculative decoding, and ``tier_verify="device"`` (the CPU tier's digest frames would be
+        per rank; ``auto`` verifies on the host then). Tiers and swap run: each rank reads and
+        writes its part of a block (``ParallelRunner.read_blocks``)."""
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if tp == 1:
             return
-        busy = [name for name, on in (
-            ("cpu_cache_gb", self.cpu_cache_gb), ("disk_cache_dir", self.disk_cache_dir),
-            ("remote_cache", self.remote_cache), ("kv_transfer_gb", self.kv_transfer_gb),
-            ("speculative_config", self.speculative_config is not None)) if on]
-        if busy:
-            raise ValueError(f"{busy[0]}: not supported with tensor_parallel_size {tp} yet (tiers, the transfer tier "
-                             f"and speculative decoding run with one rank)")
+        if self.speculative_config is not None:
+            raise ValueError(f"speculative_config: not supported with tensor_parallel_size {tp} yet (speculative "
+                             f"decoding runs with one rank)")
+        if self.tier_verify == "device":
+            raise ValueError(f"tier_verify: 'device' is not supported with tensor_parallel_size {tp} (the CPU "
+                             f"tier's digests would be per rank); 'auto' verifies on the host")
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's settings: this config's fields of the same names."""

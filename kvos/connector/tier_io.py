@@ -85,9 +85,14 @@ class TierIO:
         self.digests = any(getattr(t, "digests", False) for t in hierarchy.tiers)
         """Some tier keeps digest frames: stores pass digests and loads digest their rows."""
         first = next((t for t in hierarchy.tiers if t.receives_stores), None)
-        self.slots = first if hasattr(first, "reserve") else None
+        self.ranks = getattr(runner, "size", 1)
+        """Tensor-parallel ranks: a block's row is every rank's part (``ParallelRunner``), read and
+        written through the runner, never straight from this process's pages."""
+        if self.ranks > 1 and self.digests:
+            raise ValueError("tier_verify 'device': not with tensor parallelism (digests are per rank)")
+        self.slots = first if hasattr(first, "reserve") and self.ranks == 1 else None
         """The CPU tier when it is the first tier stores reach: write-through copies blocks from
-        the device straight into its slots (``store_computed``)."""
+        the device straight into its slots (``store_computed``; one rank only)."""
 
     def store_computed(self, hashes: list[BlockHash], block_ids: list[int],
                        after: torch.cuda.Event | None, group: int | None = None) -> None:
@@ -156,7 +161,7 @@ class TierIO:
         """I/O thread: the leading ``hashes`` (tier keys of cache group ``group``'s blocks; None:
         the only group) some tier holds, verified and staged on the device (stops at the first
         miss or failed checksum); returns once the copies are complete."""
-        bb = self.runner.block_pages(group).shape[1]
+        bb = self.runner.group_block_bytes(0 if group is None else group)  # (every rank's part)
         found: list[tuple[BlockHash, bytes | memoryview, int, int | None]] = []
         ready = None
         digests: list[int] = []

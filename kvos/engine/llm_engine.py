@@ -276,7 +276,8 @@ class LLMEngine:
                                     encryption_key_file=config.tier_encryption_key_file,
                                     transfer_gb=config.kv_transfer_gb,
                                     device_verify=config.tier_verify == "device" or (
-                                        config.tier_verify == "auto" and self.runner.device.type == "cuda"))
+                                        config.tier_verify == "auto" and self.runner.device.type == "cuda"
+                                        and config.tensor_parallel_size == 1))
         self.offload = (OffloadManager(hierarchy, self.runner, self.kv, self.scheduler, config.tier_lookahead)
                         if hierarchy else None)
         self.tiers = hierarchy

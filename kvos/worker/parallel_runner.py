@@ -337,20 +337,26 @@ class ParallelRunner(ModelRunner):
             raise RuntimeError("p2p: " + "; ".join(errors))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the workers (reaped, killed after ``timeout``) and leave the process group."""
+        """Stop the workers (reaped, killed after ``timeout``) and leave the process group, rank 0
+        while the workers leave theirs. A teardown that does not end within ``timeout`` is given
+        up and the process keeps its group (no other tensor-parallel engine can start in it): on
+        two H200s NCCL's teardown of an engine in the caller's process never ended (it hung for
+        good before this timeout; not found yet). Gloo's (the CPU) ends at once."""
         for link in self._links:
             try:
                 link.conn.send(("shutdown", ()))
             except OSError:
                 pass
+        if dist.is_initialized():
+            leave = threading.Thread(target=dist.destroy_process_group, name="kvos-tp-leave", daemon=True)
+            leave.start()
+            leave.join(timeout)
         for link in self._links:
             link.proc.join(timeout)
             if link.proc.is_alive():
                 link.proc.kill()
                 link.proc.join()
         self._links = []
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     def __del__(self) -> None:
         if getattr(self, "_links", None):

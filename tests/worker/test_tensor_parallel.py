@@ -70,10 +70,32 @@ def test_prefill_and_decode_engines_of_two_ranks_each(kv_transfer):
 
 
 def test_refused_settings_name_the_field():
-    with pytest.raises(ValueError, match="cpu_cache_gb"):
-        LLM(tensor_parallel_size=2, cpu_cache_gb=1.0)
+    with pytest.raises(ValueError, match="tier_verify"):
+        LLM(tensor_parallel_size=2, cpu_cache_gb=1.0, tier_verify="device")
     with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the model's 9 attention heads"):
         LLM(tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_tiers_below_the_device_hold_every_ranks_part(tier, tmp_path):
+    """A prompt's blocks stored in a tier as whole rows (every rank's part side by side), evicted
+    from a small pool by another prompt, come back from the tier, each rank loading its part: the
+    tokens of one rank with the same tier."""
+    kw = dict(random_weights=True, skip_tokenizer_init=True, max_num_seqs=2, num_blocks=12, block_size=8,
+              **({"cpu_cache_gb": 0.05} if tier == "cpu" else {"disk_cache_dir": str(tmp_path / "disk")}))
+    first, other = [[3 + i % 50 for i in range(72)]], [[60 + i % 40 for i in range(72)]]  # 9 blocks each
+    results = []
+    for tp in (1, 2):
+        if tier == "disk":
+            kw["disk_cache_dir"] = str(tmp_path / f"disk{tp}")
+        with LLM("qwen3-tiny", tensor_parallel_size=tp, **kw) as llm:
+            a = run(llm, first)[0]
+            run(llm, other)
+            b, _, outs = run(llm, first)
+            results.append((a, b, outs[0].metrics["cached_tokens_by_source"]))
+    (ref, ref2, ref_src), (got, got2, src) = results
+    assert got == got2 == ref == ref2
+    assert src.get(tier, 0) >= 8 and src == ref_src, (src, ref_src)
 
 
 # the engine below lives until the end of the module: one tensor-parallel engine per process at a time
