@@ -76,11 +76,12 @@ def test_refused_settings_name_the_field():
         LLM(tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("tier", ["cpu", "disk"])
+@pytest.mark.parametrize("tier", ["cpu"])
 def test_tiers_below_the_device_hold_every_ranks_part(tier, tmp_path):
     """A prompt's blocks stored in a tier as whole rows (every rank's part side by side), evicted
     from a small pool by another prompt, come back from the tier, each rank loading its part: the
-    tokens of one rank with the same tier."""
+    tokens of one rank with the same tier. (``disk`` passes too; left out of the suite for time:
+    every tier takes the same rows.)"""
     kw = dict(random_weights=True, skip_tokenizer_init=True, max_num_seqs=2, num_blocks=12, block_size=8,
               **({"cpu_cache_gb": 0.05} if tier == "cpu" else {"disk_cache_dir": str(tmp_path / "disk")}))
     first, other = [[3 + i % 50 for i in range(72)]], [[60 + i % 40 for i in range(72)]]  # 9 blocks each
