@@ -85,12 +85,11 @@ class TierIO:
         self.digests = any(getattr(t, "digests", False) for t in hierarchy.tiers)
         """Some tier keeps digest frames: stores pass digests and loads digest their rows."""
         first = next((t for t in hierarchy.tiers if t.receives_stores), None)
-        self.ranks = getattr(runner, "size", 1)
-        """Tensor-parallel ranks: a block's row is every rank's part (``ParallelRunner``), read and
-        written through the runner, never straight from this process's pages."""
-        if self.ranks > 1 and self.digests:
+        ranks = getattr(runner, "size", 1)  # tensor parallelism: a row is every rank's part (``ParallelRunner``),
+        # read and written through the runner, never straight from this process's pages
+        if ranks > 1 and self.digests:
             raise ValueError("tier_verify 'device': not with tensor parallelism (digests are per rank)")
-        self.slots = first if hasattr(first, "reserve") and self.ranks == 1 else None
+        self.slots = first if hasattr(first, "reserve") and ranks == 1 else None
         """The CPU tier when it is the first tier stores reach: write-through copies blocks from
         the device straight into its slots (``store_computed``; one rank only)."""
 

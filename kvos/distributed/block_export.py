@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from kvos.cache.block import KVBlock
@@ -137,19 +138,11 @@ class BlockExports:
                 self._shared_bytes + nbytes <= self.MAX_SHARED_BYTES
             if share:
                 self._shared_bytes += nbytes
-        if not on_gpu:
-            try:
-                rows = runner.hold_blocks(ids) if share else runner.read_blocks(ids).numpy()
-            except BaseException:
-                if share:
-                    self.done(nbytes)
-                raise
-            return ExtractedBlocks(held.hashes[skip:], blocks[0].parent_hash, blocks[0].depth, rows)
-        import torch
+        if on_gpu and self._stream is None:
+            import torch
 
-        if self._stream is None:
             self._stream = torch.cuda.Stream(device=runner.device)
-        with torch.cuda.stream(self._stream):
+        with _on_stream(self._stream if on_gpu else None):
             if held.ready_event is not None:
                 self._stream.wait_event(held.ready_event)
             if share:  # DeviceRows (RankRows from a tensor-parallel runner), or PeerRows
@@ -161,3 +154,12 @@ class BlockExports:
             else:
                 rows = runner.read_blocks(ids).numpy()
         return ExtractedBlocks(held.hashes[skip:], blocks[0].parent_hash, blocks[0].depth, rows)
+
+
+def _on_stream(stream):
+    """``torch.cuda.stream(stream)``, or nothing without one (the CPU: torch not needed)."""
+    if stream is None:
+        return nullcontext()
+    import torch
+
+    return torch.cuda.stream(stream)

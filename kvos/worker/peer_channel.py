@@ -117,9 +117,9 @@ class PeerOutbox:
         """Keep ``rows`` (complete: the caller synchronised their gather) for one receiver; the ticket."""
         with self._lock:
             if self._store is None:
-                self._store = dist.TCPStore(reachable_host(), 0, is_master=True, wait_for_workers=False,
-                                            timeout=_IDLE)
-                self.address = f"{reachable_host()}:{self._store.port}"
+                host = reachable_host()
+                self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_IDLE)
+                self.address = f"{host}:{self._store.port}"
                 threading.Thread(target=self._accept, name="kvos-p2p-accept", daemon=True).start()
             now = time.monotonic()
             for t in [t for t, (_, since) in self._held.items() if now - since > self.TTL_S]:
