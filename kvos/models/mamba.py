@@ -56,9 +56,13 @@ class Mamba2Mixer(nn.Module):
         nd = meta.num_decodes
         if nd:
             self._decode(xbc[:nd], dt[:nd], A, cache, meta, y[:nd])
-        for seq in meta.seqs[nd:]:
-            rows = slice(seq.row, seq.row + seq.num_tokens)
-            self._prefill(xbc[rows], dt[rows], A, cache, seq, y[rows])
+        if len(meta.seqs) > nd:
+            if ops.use_kernels(x):
+                self._prefill_kernels(xbc, dt, A, cache, meta, y, exact=x.dtype == torch.float32)
+            else:
+                for seq in meta.seqs[nd:]:
+                    rows = slice(seq.row, seq.row + seq.num_tokens)
+                    self._prefill(xbc[rows], dt[rows], A, cache, seq, y[rows])
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
 
     def _conv_weight(self) -> torch.Tensor:
@@ -101,18 +105,28 @@ class Mamba2Mixer(nn.Module):
             cache.ssm[torch.where(valid, writes, 0) if valid is not None else writes] = ssm.to(cache.ssm.dtype)
         cache.conv[torch.where(valid, writes, 0) if valid is not None else writes] = conv.to(cache.conv.dtype)
 
-    def _prefill(self, xbc, dt, A, cache: StateCache, seq, y) -> None:
+    def _conv_prefill(self, xbc: torch.Tensor, cache: StateCache, seq) -> torch.Tensor:
+        """The causal convolution (then SiLU) of one sequence's new rows ``[n, conv_dim]`` from the
+        inputs before them (its read block's conv state, or zeros), float32; writes the conv
+        state at each of ``seq``'s save points."""
         s = self.s
         W = s.conv_width
         if seq.read_block < 0:
             prev = xbc.new_zeros(s.conv_dim, W, dtype=torch.float32)
-            h = xbc.new_zeros(s.num_heads, s.head_dim, s.state_size, dtype=torch.float32)
         else:
-            prev, h = cache.conv[seq.read_block].float(), cache.ssm[seq.read_block].float()
+            prev = cache.conv[seq.read_block].float()
         full = torch.cat([prev, xbc.float().t()], dim=1)  # [conv_dim, W + n]
         bias = self.conv1d.bias.float() if self.conv1d.bias is not None else None
         conv = F.conv1d(full.unsqueeze(0), self._conv_weight().float().unsqueeze(1), bias, groups=s.conv_dim)
-        xs, B, C = self._split(F.silu(conv[0].t()))
+        for b, block in seq.saves:
+            cache.conv[block] = full[:, b: b + W].to(cache.conv.dtype)
+        return F.silu(conv[0].t())
+
+    def _prefill(self, xbc, dt, A, cache: StateCache, seq, y) -> None:
+        """One sequence's scan in torch (the CPU path), sub-chunk by sub-chunk between its save points."""
+        h = (cache.ssm[seq.read_block].float() if seq.read_block >= 0 else
+             xbc.new_zeros(self.s.num_heads, self.s.head_dim, self.s.state_size, dtype=torch.float32))
+        xs, B, C = self._split(self._conv_prefill(xbc, cache, seq))
         D = self.D.float()[:, None]
         a = 0
         for b, block in seq.saves:
@@ -121,8 +135,25 @@ class Mamba2Mixer(nn.Module):
                 out, h = ssd_chunk(xs[lo:hi], dt[lo:hi], A, B[lo:hi], C[lo:hi], h)
                 y[lo:hi] = (out + D * xs[lo:hi]).reshape(hi - lo, -1)
             a = b
-            cache.conv[block] = full[:, b: b + W].to(cache.conv.dtype)
             cache.ssm[block] = h.to(cache.ssm.dtype)
+
+    def _prefill_kernels(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y, exact: bool) -> None:
+        """Every prefill sequence of the step: convolutions per sequence, then one chunked scan
+        (``kvos.kernels.mamba_scan``) over all of them."""
+        from kvos.kernels.mamba_scan import chunked_scan
+
+        s = self.s
+        nd = meta.num_decodes
+        conv = torch.empty(xbc.shape[0] - nd, s.conv_dim, dtype=torch.float32, device=xbc.device)
+        for seq in meta.seqs[nd:]:
+            rows = slice(seq.row, seq.row + seq.num_tokens)
+            conv[seq.row - nd: seq.row - nd + seq.num_tokens] = self._conv_prefill(xbc[rows], cache, seq)
+        n, gn = conv.shape[0], s.groups * s.state_size
+        xs = conv[:, :s.intermediate].view(n, s.num_heads, s.head_dim)
+        B = conv[:, s.intermediate: s.intermediate + gn].view(n, s.groups, s.state_size)
+        C = conv[:, s.intermediate + gn:].view(n, s.groups, s.state_size)
+        chunked_scan(meta.prefill_chunks(xbc.device), xs, dt[nd:], A, B, C, self.D.float(), cache.ssm,
+                     y[nd:].view(n, s.num_heads, s.head_dim), exact=exact)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``weight * rmsnorm_per_group(y * silu(z))`` in float32 (transformers' gated norm)."""

@@ -43,6 +43,16 @@ class StateMetadata:
     seqs: list[SeqStates]
     num_decodes: int
     _decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    _prefill_chunks: object | None = None
+
+    def prefill_chunks(self, device: torch.device):
+        """The prefills' chunk table for ``kvos.kernels.mamba_scan`` (rows counted from the first
+        prefill row), built once per step and shared by the layers."""
+        if self._prefill_chunks is None:
+            from kvos.kernels.mamba_scan import scan_chunks
+
+            self._prefill_chunks = scan_chunks(self.seqs[self.num_decodes:], self.num_decodes, device)
+        return self._prefill_chunks
 
     def decode_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                           torch.Tensor | None]:

@@ -1,0 +1,70 @@
+"""The chunked prefill scan against the mixer's torch form (``ssd_chunk``, run sequence by
+sequence between save points): outputs and the states written at save points within 1e-4,
+over several sequences of one step (one from zeros, one continuing inside its read block, one
+reading another block), chunks cut both at the chunk size and at save points, heads sharing
+their group's B and C, and blocks no save names left untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.triton_interpreter import (  # first: before triton loads
+    CUDA,
+    skip_unless_interpreted,
+)
+
+pytest.importorskip("triton")
+
+from kvos.kernels.mamba_scan import (  # noqa: E402
+    _chunk_scan_kernel,
+    _chunk_state_kernel,
+    _state_pass_kernel,
+    chunked_scan,
+    scan_chunks,
+)
+from kvos.models.mamba import ssd_chunk  # noqa: E402
+from kvos.models.state import SeqStates  # noqa: E402
+
+skip_unless_interpreted(_chunk_state_kernel, _state_pass_kernel, _chunk_scan_kernel)
+pytestmark = pytest.mark.gpu
+
+
+def test_chunked_scan_matches_the_torch_form():
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(0)
+    H, G, P, N, blocks, chunk = 4, 2, 12, 16, 9, 16
+    seqs = [SeqStates(0, 37, -1, [(8, 1), (24, 2), (37, 4)]),   # from zeros; saves inside chunks
+            SeqStates(37, 5, 3, [(5, 3)]),                       # continues inside its read block
+            SeqStates(42, 50, 5, [(20, 6), (50, 7)])]            # reads one block, saves two others
+    T = 92
+    x, dt = torch.randn(T, H, P, generator=g), torch.rand(T, H, generator=g) * 0.5
+    A, D = -torch.rand(H, generator=g) - 0.1, torch.randn(H, generator=g)
+    B, C = torch.randn(T, G, N, generator=g), torch.randn(T, G, N, generator=g)
+    pool = torch.randn(blocks, 2, H, P, N, generator=g)  # page-major: 2 layer slots per block
+    ssm = pool[:, 1]
+    before = ssm.clone()
+    ref_y, ref_states = torch.empty(T, H, P), {}
+    Bh, Ch = B.repeat_interleave(H // G, dim=1), C.repeat_interleave(H // G, dim=1)
+    for q in seqs:
+        h = before[q.read_block].clone() if q.read_block >= 0 else torch.zeros(H, P, N)
+        a = 0
+        for b, block in q.saves:
+            r = slice(q.row + a, q.row + b)
+            out, h = ssd_chunk(x[r], dt[r], A, Bh[r], Ch[r], h)
+            ref_y[r] = out + D[:, None] * x[r]
+            ref_states[block] = h
+            a = b
+    pool_d = pool.to(dev)
+    y = torch.empty(T, H, P, device=dev)
+    chunks = scan_chunks(seqs, 0, torch.device(dev), chunk=chunk)
+    assert chunks.num_chunks == 5 + 1 + 5  # 37: 8|16|24|32|37 -> 5; 5 -> 1; 50: 16|20|32|48|50 -> 5
+    chunked_scan(chunks, x.to(dev), dt.to(dev), A.to(dev), B.to(dev), C.to(dev), D.to(dev), pool_d[:, 1], y,
+                 exact=True, chunk=chunk)
+    assert torch.allclose(y.cpu(), ref_y, atol=1e-4, rtol=1e-4)
+    got = pool_d[:, 1].cpu()
+    for block in range(blocks):
+        if block in ref_states:
+            assert torch.allclose(got[block], ref_states[block], atol=1e-4, rtol=1e-4), block
+        else:
+            assert torch.equal(got[block], before[block]), block
+    assert torch.equal(pool_d[:, 0].cpu(), pool[:, 0])  # the other layer's slot of each page
