@@ -49,20 +49,27 @@ class Mamba2Mixer(nn.Module):
         """x: ``[T, hidden]`` rows of the step (``meta``'s order); returns ``[T, hidden]``.
         Reads and writes the states ``meta`` names (see ``StateMetadata``'s safety rule)."""
         s = self.s
-        z, xbc, dt = self.in_proj(x).split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(s.dt_min, s.dt_max)
-        A = -torch.exp(self.A_log.float())
+        z, xbc, dt_raw = self.in_proj(x).split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
         y = torch.empty(x.shape[0], s.intermediate, dtype=torch.float32, device=x.device)
         nd = meta.num_decodes
-        if nd:
-            self._decode(xbc[:nd], dt[:nd], A, cache, meta, y[:nd])
-        if len(meta.seqs) > nd:
-            if ops.use_kernels(x):
+        kernels = ops.use_kernels(x)
+        if nd and kernels:
+            self._decode_kernels(xbc[:nd], dt_raw[:nd], cache, meta, y[:nd])
+        if nd < x.shape[0] or (nd and not kernels):
+            dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(s.dt_min, s.dt_max)
+            A = -torch.exp(self.A_log.float())
+            if nd and not kernels:
+                self._decode(xbc[:nd], dt[:nd], A, cache, meta, y[:nd])
+            if kernels:
                 self._prefill_kernels(xbc, dt, A, cache, meta, y, exact=x.dtype == torch.float32)
             else:
                 for seq in meta.seqs[nd:]:
                     rows = slice(seq.row, seq.row + seq.num_tokens)
                     self._prefill(xbc[rows], dt[rows], A, cache, seq, y[rows])
+        if kernels:
+            from kvos.kernels.mamba_update import gated_rms_norm
+
+            return self.out_proj(gated_rms_norm(y, z, self.norm.weight, s.groups, s.norm_eps, x.dtype))
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
 
     def _conv_weight(self) -> torch.Tensor:
@@ -79,6 +86,7 @@ class Mamba2Mixer(nn.Module):
         return xs.reshape(n, s.num_heads, s.head_dim), B, C
 
     def _decode(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y) -> None:
+        """The decodes' one-token step in torch (the CPU path)."""
         nd = meta.num_decodes
         reads, keep, writes, valid = meta.decode_index(xbc.device)
         conv_in = cache.conv[reads]
@@ -90,20 +98,31 @@ class Mamba2Mixer(nn.Module):
         conv = window[:, :, 1:]
         if valid is not None:  # padding rows (CUDA graphs) write block 0's own content back
             conv = torch.where(valid[:, None, None], conv, conv_in)
-        if ops.use_kernels(xbc):
-            from kvos.kernels.mamba_update import ssm_decode
+        ssm_in = cache.ssm[reads]
+        dA = torch.exp(dt * A) * keep.view(-1, 1)  # [n, H]; a decode with no state yet starts from zeros
+        ssm = ssm_in * dA[:, :, None, None] + (dt[:, :, None] * xs)[..., None] * B[:, :, None, :]
+        y.copy_((torch.einsum("nhpk,nhk->nhp", ssm, C) + self.D.float()[:, None] * xs).reshape(nd, -1))
+        if valid is not None:
+            ssm = torch.where(valid[:, None, None, None], ssm, ssm_in)
+        writes = torch.where(valid, writes, 0) if valid is not None else writes
+        cache.ssm[writes] = ssm.to(cache.ssm.dtype)
+        cache.conv[writes] = conv.to(cache.conv.dtype)
 
-            y.copy_(ssm_decode(cache.ssm, reads, torch.where(valid, writes, 0) if valid is not None else writes,
-                               keep, valid, xs, dt, A, B, C, self.D.float()).reshape(nd, -1))
-        else:
-            ssm_in = cache.ssm[reads]
-            dA = torch.exp(dt * A) * keep.view(-1, 1)  # [n, H]; a decode with no state yet starts from zeros
-            ssm = ssm_in * dA[:, :, None, None] + (dt[:, :, None] * xs)[..., None] * B[:, :, None, :]
-            y.copy_((torch.einsum("nhpk,nhk->nhp", ssm, C) + self.D.float()[:, None] * xs).reshape(nd, -1))
-            if valid is not None:
-                ssm = torch.where(valid[:, None, None, None], ssm, ssm_in)
-            cache.ssm[torch.where(valid, writes, 0) if valid is not None else writes] = ssm.to(cache.ssm.dtype)
-        cache.conv[torch.where(valid, writes, 0) if valid is not None else writes] = conv.to(cache.conv.dtype)
+    def _decode_kernels(self, xbc, dt_raw, cache: StateCache, meta: StateMetadata, y) -> None:
+        """The decodes' one-token step in two kernels (``kvos.kernels.mamba_update``): the
+        convolution's step, then the SSM's, reading x, B and C as views of its output."""
+        from kvos.kernels.mamba_update import conv_decode, ssm_decode
+
+        s = self.s
+        nd = meta.num_decodes
+        reads, keep, writes, valid = meta.decode_index(xbc.device)
+        conv = conv_decode(cache.conv, reads, writes, keep, valid, xbc, self.conv1d.weight, self.conv1d.bias)
+        gn = s.groups * s.state_size
+        xs = conv[:, :s.intermediate].view(nd, s.num_heads, s.head_dim)
+        B = conv[:, s.intermediate: s.intermediate + gn].view(nd, s.groups, s.state_size)
+        C = conv[:, s.intermediate + gn:].view(nd, s.groups, s.state_size)
+        ssm_decode(cache.ssm, reads, writes, keep, valid, xs, dt_raw, self.dt_bias, self.A_log, B, C, self.D,
+                   (s.dt_min, s.dt_max), y.view(nd, s.num_heads, s.head_dim))
 
     def _conv_prefill(self, xbc: torch.Tensor, cache: StateCache, seq) -> torch.Tensor:
         """The causal convolution (then SiLU) of one sequence's new rows ``[n, conv_dim]`` from the
