@@ -1,6 +1,6 @@
 """The chunked prefill scan (``kvos.kernels.mamba_scan``) on a GPU at Bamba-9B's layer shape
 (128 heads x 64, one group of state 256), one 2,048-token sequence from zeros with a save every
-256 tokens: time per call for chunk sizes 64 and 128, its bytes over the measured copy bandwidth,
+256 tokens: time per call for chunk sizes 128 and 256, its bytes over the measured copy bandwidth,
 and the difference from the torch form (``ssd_chunk`` per 256-token piece)."""
 import sys
 
@@ -49,7 +49,7 @@ final = torch.empty(H, P, N, device=dev)
 
 
 print(f"torch form: {timed(torch_form, 5):.3f} ms")
-for chunk in [int(c) for c in (sys.argv[1:] or [64, 128])]:
+for chunk in [int(c) for c in (sys.argv[1:] or [128, 256])]:
     chunks = mamba_scan.scan_chunks([seq], 0, torch.device(dev), chunk=chunk)
     y = torch.empty(T, H, P, device=dev)
     for exact in (False, True):
@@ -59,3 +59,13 @@ for chunk in [int(c) for c in (sys.argv[1:] or [64, 128])]:
         err = ((y - ref).abs().max() / ref.abs().max()).item()
         print(f"chunk {chunk} exact={exact}: {ms:.3f} ms/call, {moved / ms / 1e6:.0f} GB/s moved, "
               f"max err {err:.2e} of max |y|, final state's {((ssm[T // 256 + 1] - final).abs().max() / final.abs().max()).item():.1e}")
+
+chunks = mamba_scan.scan_chunks([seq], 0, torch.device(dev))
+y = torch.empty(T, H, P, device=dev)
+for bn, sw, cw in [(64, 4, 4), (128, 8, 4), (256, 8, 4), (64, 4, 8), (128, 4, 8), (256, 8, 8)]:
+    mamba_scan._STATE_BLOCK_N, mamba_scan._STATE_WARPS, mamba_scan._SCAN_WARPS = bn, sw, cw
+    try:
+        ms = timed(lambda: mamba_scan.chunked_scan(chunks, x, dt, A, B, C, D, ssm, y))
+        print(f"chunk 256, state block_n {bn} warps {sw}, scan warps {cw}: {ms:.3f} ms/call")
+    except Exception as e:
+        print(f"state block_n {bn} warps {sw}, scan warps {cw}: {type(e).__name__}")

@@ -5,6 +5,8 @@ Each sequence's new tokens are cut into chunks of at most ``CHUNK`` tokens that 
 points (``SeqStates.saves``), so that the state after a chunk is the state a save asks for.
 Per chunk and head, with ``cs`` the running sum of ``dt A`` inside the chunk:
 
+0. ``_chunk_cb_kernel``: ``C_t . B_s`` per chunk and group (heads of a group share it), in
+   ``TILE x TILE`` tiles;
 1. ``_chunk_state_kernel``: the chunk's own contribution to the state, ``sum_s exp(cs_end -
    cs_s) dt_s x_s B_s^T`` ``[P, N]``, and its total decay ``cs_end``;
 2. ``_state_pass_kernel``: per sequence, in chunk order, the state entering each chunk
@@ -28,9 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 64
-"""Tokens per chunk: the quadratic part's tile (``CHUNK x CHUNK`` per head)."""
+CHUNK = 256
+"""Tokens per chunk (a multiple of ``TILE``): the states between chunks are the scan's memory
+traffic (one ``[H, P, N]`` float32 state per chunk, written and read twice), the quadratic part
+grows with it."""
+TILE = 64
+"""Rows of a chunk one program handles at a time."""
 _BLOCK_N = 64
+_STATE_BLOCK_N = 256
+_STATE_WARPS = 8
+_SCAN_WARPS = 4
 _PASS_BLOCK = 1024
 
 
@@ -57,61 +66,107 @@ class ScanChunks:
 
 
 def scan_chunks(seqs, row0: int, device: torch.device, chunk: int = CHUNK) -> ScanChunks:
-    """The chunk table of ``seqs`` (``SeqStates`` of prefills, rows counted from ``row0``):
-    boundaries every ``chunk`` tokens of each sequence and at each of its save points."""
+    """The chunk table of ``seqs`` (``SeqStates`` of prefills, rows counted from ``row0``): each
+    save point ends a chunk, and the tokens before it (from the previous one) are cut into
+    chunks of ``chunk`` from their start."""
     start, length, save, first, count, read = [], [], [], [], [], []
     for q in seqs:
-        saves = dict(q.saves)
-        ends = sorted(set(range(chunk, q.num_tokens, chunk)) | set(saves))
         first.append(len(start))
-        count.append(len(ends))
         read.append(q.read_block)
         lo = 0
-        for hi in ends:
+        for b, block in q.saves:
+            while b - lo > chunk:
+                start.append(q.row - row0 + lo)
+                length.append(chunk)
+                save.append(-1)
+                lo += chunk
             start.append(q.row - row0 + lo)
-            length.append(hi - lo)
-            save.append(saves.get(hi, -1))
-            lo = hi
+            length.append(b - lo)
+            save.append(block)
+            lo = b
+        count.append(len(start) - first[-1])
     t = torch.tensor([start, length, save], dtype=torch.int32).to(device, non_blocking=True)
     s = torch.tensor([first, count, read], dtype=torch.int32).to(device, non_blocking=True)
     return ScanChunks(t[0], t[1], t[2], s[0], s[1], s[2])
 
 
 @triton.jit
-def _chunk_decay(dt_ptr, a_ptr, start, length, h, sdt, L: tl.constexpr):
-    """(rows' mask, dt, running sum of dt A inside the chunk, its total) for chunk rows ``[start,
-    start + length)`` and head h."""
+def _decay_before(dt_ptr, start, n, h, a, sdt, L: tl.constexpr):
+    """The sum of ``dt A`` over the chunk's first ``n`` rows."""
     t = tl.arange(0, L)
+    dt = tl.load(dt_ptr + (start + t).to(tl.int64) * sdt + h, mask=t < n, other=0.0)
+    return tl.sum(dt * a, axis=0)
+
+
+@triton.jit
+def _tile_decay(dt_ptr, start, length, j, h, a, before, sdt, TB: tl.constexpr):
+    """(rows, their mask, dt, the running sum of dt A from the chunk's start) for the chunk's rows
+    ``[j, j + TB)``, given ``before``, the sum over its rows before ``j``."""
+    t = j + tl.arange(0, TB)
     tm = t < length
     dt = tl.load(dt_ptr + (start + t).to(tl.int64) * sdt + h, mask=tm, other=0.0)
-    da = dt * tl.load(a_ptr + h)
-    cs = tl.cumsum(da, axis=0)
-    return tm, dt, cs, tl.sum(da, axis=0)
+    return t, tm, dt, before + tl.cumsum(dt * a, axis=0)
+
+
+@triton.jit
+def _chunk_cb_kernel(
+    b_ptr, c_ptr, start_ptr, len_ptr, cb_ptr,
+    sb_t, sb_g, sc_t, sc_g, G,
+    N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    g = tl.program_id(1)
+    tb = tl.program_id(2) // (L // TB)
+    sb = tl.program_id(2) % (L // TB)
+    start = tl.load(start_ptr + c)
+    length = tl.load(len_ptr + c)
+    t = tb * TB + tl.arange(0, TB)
+    s = sb * TB + tl.arange(0, TB)
+    tm = (t < length) & (sb <= tb)
+    sm = (s < length) & (sb <= tb)
+    acc = tl.zeros((TB, TB), dtype=tl.float32)
+    for k0 in range(0, N, BN):
+        k = k0 + tl.arange(0, BN)
+        cm = tl.load(c_ptr + (start + t).to(tl.int64)[:, None] * sc_t + g * sc_g + k[None, :],
+                     mask=tm[:, None] & (k < N)[None, :], other=0.0)
+        bm = tl.load(b_ptr + (start + s).to(tl.int64)[:, None] * sb_t + g * sb_g + k[None, :],
+                     mask=sm[:, None] & (k < N)[None, :], other=0.0)
+        acc = tl.dot(cm, tl.trans(bm), acc, input_precision=PRECISION)
+    out = cb_ptr + (c.to(tl.int64) * G + g) * (L * L)
+    tl.store(out + t[:, None] * L + s[None, :], acc)
 
 
 @triton.jit
 def _chunk_state_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, start_ptr, len_ptr, st_ptr, decay_ptr,
     sx_t, sx_h, sdt, sb_t, sb_g, H, heads_per_group,
-    P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BP: tl.constexpr,
+    BN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
     nb = tl.program_id(2)
     start = tl.load(start_ptr + c)
     length = tl.load(len_ptr + c)
-    tm, dt, cs, total = _chunk_decay(dt_ptr, a_ptr, start, length, h, sdt, L)
-    w = tl.where(tm, dt * tl.exp(total - cs), 0.0)
-    rows = (start + tl.arange(0, L)).to(tl.int64)
+    a = tl.load(a_ptr + h)
+    total = _decay_before(dt_ptr, start, length, h, a, sdt, L)
     p = tl.arange(0, BP)
     n = nb * BN + tl.arange(0, BN)
-    x = tl.load(x_ptr + rows[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None] & (p < P)[None, :], other=0.0)
     g = h // heads_per_group
-    b = tl.load(b_ptr + rows[:, None] * sb_t + g * sb_g + n[None, :], mask=tm[:, None] & (n < N)[None, :], other=0.0)
-    st = tl.dot(tl.trans(x * w[:, None]), b, input_precision=PRECISION)  # [BP, BN]
+    acc = tl.zeros((BP, BN), dtype=tl.float32)
+    before = total * 0.0
+    for j in range(0, L, TB):
+        t, tm, dt, cs = _tile_decay(dt_ptr, start, length, j, h, a, before, sdt, TB)
+        before += tl.sum(dt * a, axis=0)
+        w = tl.where(tm, dt * tl.exp(total - cs), 0.0)
+        rows = (start + t).to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None] & (p < P)[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + rows[:, None] * sb_t + g * sb_g + n[None, :], mask=tm[:, None] & (n < N)[None, :],
+                    other=0.0)
+        acc = tl.dot(tl.trans(x * w[:, None]), b, acc, input_precision=PRECISION)  # [BP, BN]
     out = st_ptr + (c.to(tl.int64) * H + h) * (P * N)
-    tl.store(out + p[:, None] * N + n[None, :], st, mask=(p < P)[:, None] & (n < N)[None, :])
+    tl.store(out + p[:, None] * N + n[None, :], acc, mask=(p < P)[:, None] & (n < N)[None, :])
     if nb == 0:
         tl.store(decay_ptr + c * H + h, total)
 
@@ -143,70 +198,187 @@ def _state_pass_kernel(
 
 @triton.jit
 def _chunk_scan_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, start_ptr, len_ptr, prev_ptr, y_ptr,
-    sx_t, sx_h, sdt, sb_t, sb_g, sc_t, sc_g, sy_t, sy_h, H, heads_per_group,
-    P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    x_ptr, dt_ptr, a_ptr, c_ptr, d_ptr, start_ptr, len_ptr, prev_ptr, cb_ptr, y_ptr,
+    sx_t, sx_h, sdt, sc_t, sc_g, sy_t, sy_h, H, G, heads_per_group,
+    P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BP: tl.constexpr,
+    BN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
+    m = tl.program_id(2) * TB  # the first of this program's rows in the chunk
     start = tl.load(start_ptr + c)
     length = tl.load(len_ptr + c)
-    tm, dt, cs, total = _chunk_decay(dt_ptr, a_ptr, start, length, h, sdt, L)
-    rows = (start + tl.arange(0, L)).to(tl.int64)
+    a = tl.load(a_ptr + h)
+    t, tm, dt_t, cs_t = _tile_decay(dt_ptr, start, length, m, h, a,
+                                    _decay_before(dt_ptr, start, tl.minimum(m, length), h, a, sdt, L), sdt, TB)
+    rows = (start + t).to(tl.int64)
     p = tl.arange(0, BP)
     pm = p < P
     g = h // heads_per_group
     prev = prev_ptr + (c.to(tl.int64) * H + h) * (P * N)
-    cb = tl.zeros((L, L), dtype=tl.float32)
-    acc = tl.zeros((L, BP), dtype=tl.float32)
-    for k0 in range(0, N, BN):
+    acc = tl.zeros((TB, BP), dtype=tl.float32)
+    for k0 in range(0, N, BN):  # the state entering the chunk, read through C
         k = k0 + tl.arange(0, BN)
         km = k < N
         cm = tl.load(c_ptr + rows[:, None] * sc_t + g * sc_g + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-        bm = tl.load(b_ptr + rows[:, None] * sb_t + g * sb_g + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         hm = tl.load(prev + p[:, None] * N + k[None, :], mask=pm[:, None] & km[None, :], other=0.0)
-        cb = tl.dot(cm, tl.trans(bm), cb, input_precision=PRECISION)
         acc = tl.dot(cm, tl.trans(hm), acc, input_precision=PRECISION)
-    acc = acc * tl.exp(cs)[:, None]
-    t = tl.arange(0, L)
-    causal = (t[:, None] >= t[None, :]) & tm[None, :]
-    decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))
+    acc = acc * tl.exp(cs_t)[:, None]
+    cb = cb_ptr + (c.to(tl.int64) * G + g) * (L * L)
+    before = a * 0.0
+    j = m * 0
+    while j <= m:  # the chunk's rows up to this program's, a tile at a time
+        s, sm, dt_s, cs_s = _tile_decay(dt_ptr, start, length, j, h, a, before, sdt, TB)
+        before += tl.sum(dt_s * a, axis=0)
+        causal = (t[:, None] >= s[None, :]) & sm[None, :]
+        scores = tl.load(cb + t[:, None] * L + s[None, :]) * tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :],
+                                                                             float("-inf")))
+        xs = tl.load(x_ptr + (start + s).to(tl.int64)[:, None] * sx_t + h * sx_h + p[None, :],
+                     mask=sm[:, None] & pm[None, :], other=0.0)
+        acc = tl.dot(scores * dt_s[None, :], xs, acc, input_precision=PRECISION)
+        j += TB
     x = tl.load(x_ptr + rows[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None] & pm[None, :], other=0.0)
-    acc = tl.dot(cb * decay * dt[None, :], x, acc, input_precision=PRECISION)
     acc += tl.load(d_ptr + h) * x
     tl.store(y_ptr + rows[:, None] * sy_t + h * sy_h + p[None, :], acc, mask=tm[:, None] & pm[None, :])
 
 
 def chunked_scan(chunks: ScanChunks, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                  C: torch.Tensor, D: torch.Tensor, ssm: torch.Tensor, y: torch.Tensor, exact: bool = False,
-                 chunk: int = CHUNK) -> None:
-    """The scan of ``chunks`` (built with the same ``chunk``): x ``[T, H, P]``, dt ``[T, H]``
-    (after softplus), A/D ``[H]``, B and C ``[T, G, N]`` (heads share their group's), all float32
-    with unit stride on the last dimension; ssm ``[blocks, H, P, N]`` (contiguous per head): read
-    at each sequence's read block, written at its save blocks; y ``[T, H, P]`` written (without the
-    gate)."""
+                 chunk: int = CHUNK, tile: int = TILE) -> None:
+    """The scan of ``chunks`` (built with the same ``chunk``, a multiple of ``tile``): x ``[T, H,
+    P]``, dt ``[T, H]`` (after softplus), A/D ``[H]``, B and C ``[T, G, N]`` (heads share their
+    group's), all float32 with unit stride on the last dimension; ssm ``[blocks, H, P, N]``
+    (contiguous per head): read at each sequence's read block, written at its save blocks; y
+    ``[T, H, P]`` written (without the gate)."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     assert ssm.stride(3) == 1 and ssm.stride(2) == N and x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1
-    assert y.stride(2) == 1 and dt.stride(1) == 1 and H % G == 0
+    assert y.stride(2) == 1 and dt.stride(1) == 1 and H % G == 0 and chunk % tile == 0 and tile >= 16
     nc = chunks.num_chunks
     if nc == 0:
         return
     BP = max(16, triton.next_power_of_2(P))
     BN = min(_BLOCK_N, max(16, triton.next_power_of_2(N)))
     precision = "ieee" if exact else "tf32"
+    tiles = chunk // tile
     st = torch.empty(nc, H, P, N, dtype=torch.float32, device=x.device)
     decay = torch.empty(nc, H, dtype=torch.float32, device=x.device)
-    _chunk_state_kernel[(nc, H, triton.cdiv(N, BN))](
+    cb = torch.empty(nc, G, chunk, chunk, dtype=torch.float32, device=x.device)
+    _chunk_cb_kernel[(nc, G, tiles * tiles)](
+        B, C, chunks.start, chunks.length, cb, B.stride(0), B.stride(1), C.stride(0), C.stride(1), G,
+        N=N, L=chunk, TB=tile, BN=BN, PRECISION=precision, num_warps=4)
+    BNS = min(_STATE_BLOCK_N, max(16, triton.next_power_of_2(N)))
+    _chunk_state_kernel[(nc, H, triton.cdiv(N, BNS))](
         x, dt, A, B, chunks.start, chunks.length, st, decay,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), H, H // G,
-        P=P, N=N, L=chunk, BP=BP, BN=BN, PRECISION=precision, num_warps=4)
+        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BNS, PRECISION=precision, num_warps=_STATE_WARPS)
     _state_pass_kernel[(chunks.num_seqs, H, triton.cdiv(P * N, _PASS_BLOCK))](
         st, decay, ssm, chunks.save, chunks.seq_first, chunks.seq_count, chunks.seq_read,
         ssm.stride(0), ssm.stride(1), H, PN=P * N, BLOCK=_PASS_BLOCK, num_warps=4)
-    _chunk_scan_kernel[(nc, H)](
-        x, dt, A, B, C, D, chunks.start, chunks.length, st, y,
-        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        y.stride(0), y.stride(1), H, H // G,
-        P=P, N=N, L=chunk, BP=BP, BN=BN, PRECISION=precision, num_warps=4)
+    _chunk_scan_kernel[(nc, H, tiles)](
+        x, dt, A, C, D, chunks.start, chunks.length, st, cb, y,
+        x.stride(0), x.stride(1), dt.stride(0), C.stride(0), C.stride(1), y.stride(0), y.stride(1), H, G, H // G,
+        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BN, PRECISION=precision, num_warps=_SCAN_WARPS)
+
+
+@dataclass
+class ConvRows:
+    """The prefill rows' causal-convolution table on the device: per row, the row of its
+    sequence's first new token and the block holding the inputs before it (-1: zeros); per save
+    point, the sequence's first row, the save's position in it, the read block and the block the
+    window is written into."""
+
+    seq_row: torch.Tensor
+    read: torch.Tensor
+    saves: torch.Tensor  # [4, num_saves]
+
+
+def conv_rows(seqs, row0: int, device: torch.device) -> ConvRows:
+    """The convolution table of ``seqs`` (``SeqStates`` of prefills, rows counted from ``row0``)."""
+    seq_row, read, saves = [], [], [[], [], [], []]
+    for q in seqs:
+        seq_row += [q.row - row0] * q.num_tokens
+        read += [q.read_block] * q.num_tokens
+        for b, block in q.saves:
+            for col, v in enumerate((q.row - row0, b, q.read_block, block)):
+                saves[col].append(v)
+    rows = torch.tensor([seq_row, read], dtype=torch.int32).to(device, non_blocking=True)
+    return ConvRows(rows[0], rows[1], torch.tensor(saves, dtype=torch.int32).to(device, non_blocking=True))
+
+
+@triton.jit
+def _conv_input(x_ptr, conv_ptr, seq_row, read, j, ch, cm, sx_t, s_blk, s_ch, W: tl.constexpr):
+    """Input ``j`` (``[BT]``, relative to each row's sequence start) of channels ``ch``: a new row
+    for ``j >= 0``, else the read block's window (zeros without one)."""
+    new = tl.load(x_ptr + (seq_row + tl.maximum(j, 0)).to(tl.int64)[:, None] * sx_t + ch[None, :],
+                  mask=(j >= 0)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    old = tl.load(conv_ptr + tl.maximum(read, 0).to(tl.int64)[:, None] * s_blk + ch[None, :] * s_ch
+                  + (W + tl.minimum(j, -1))[:, None], mask=((j < 0) & (read >= 0))[:, None] & cm[None, :], other=0.0)
+    return tl.where((j >= 0)[:, None], new, old)
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr, conv_ptr, seq_row_ptr, read_ptr, w_ptr, bias_ptr, out_ptr,
+    T, conv_dim, sx_t, s_blk, s_ch, sw_c, so_t,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    r = tl.program_id(0) * BT + tl.arange(0, BT)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    rm = r < T
+    cm = ch < conv_dim
+    seq_row = tl.load(seq_row_ptr + r, mask=rm, other=0)
+    read = tl.load(read_ptr + r, mask=rm, other=-1)
+    pos = r - seq_row
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for k in tl.static_range(W + 1):
+        v = _conv_input(x_ptr, conv_ptr, seq_row, read, pos - W + k, ch, cm, sx_t, s_blk, s_ch, W)
+        acc += v * tl.load(w_ptr + ch * sw_c + k, mask=cm, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + ch, mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * so_t + ch[None, :], acc * tl.sigmoid(acc), mask=rm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _conv_save_kernel(
+    x_ptr, conv_ptr, saves_ptr, num_saves, conv_dim, sx_t, s_blk, s_ch,
+    W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+):
+    i = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = ch < conv_dim
+    seq_row = tl.load(saves_ptr + i)
+    b = tl.load(saves_ptr + num_saves + i)
+    read = tl.load(saves_ptr + 2 * num_saves + i)
+    block = tl.load(saves_ptr + 3 * num_saves + i).to(tl.int64)
+    k = tl.arange(0, WP)
+    j = b - W + k  # [WP] the window's inputs, oldest first
+    new = tl.load(x_ptr + (seq_row + tl.maximum(j, 0)).to(tl.int64)[None, :] * sx_t + ch[:, None],
+                  mask=((j >= 0) & (k < W))[None, :] & cm[:, None], other=0.0).to(tl.float32)
+    old = tl.load(conv_ptr + tl.maximum(read, 0).to(tl.int64) * s_blk + ch[:, None] * s_ch + (W + tl.minimum(j, -1))[None, :],
+                  mask=((j < 0) & (k < W) & (read >= 0))[None, :] & cm[:, None], other=0.0)
+    tl.store(conv_ptr + block * s_blk + ch[:, None] * s_ch + k[None, :], tl.where((j >= 0)[None, :], new, old),
+             mask=(k < W)[None, :] & cm[:, None])
+
+
+def conv_prefill(rows: ConvRows, x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """SiLU of the causal convolution of the prefill rows x ``[T, conv_dim]`` (any float dtype,
+    unit stride on channels), each sequence continuing from its read block's window in conv
+    ``[blocks, conv_dim, W]`` (float32, unit stride on W); weight ``[conv_dim, 1, W + 1]``. Writes
+    the window at each save point into its block (after every read: a save may name the read
+    block). Returns ``[T, conv_dim]`` float32."""
+    T, conv_dim = x.shape
+    W = conv.shape[2]
+    assert conv.stride(2) == 1 and x.stride(1) == 1 and weight.stride(2) == 1
+    out = torch.empty(T, conv_dim, dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else weight
+    _conv_prefill_kernel[(triton.cdiv(T, 32), triton.cdiv(conv_dim, 128))](
+        x, conv, rows.seq_row, rows.read, weight, b, out, T, conv_dim, x.stride(0), conv.stride(0), conv.stride(1),
+        weight.stride(0), out.stride(0), W=W, BT=32, BC=128, HAS_BIAS=bias is not None, num_warps=4)
+    n = rows.saves.shape[1]
+    if n:
+        _conv_save_kernel[(n, triton.cdiv(conv_dim, 128))](
+            x, conv, rows.saves, n, conv_dim, x.stride(0), conv.stride(0), conv.stride(1),
+            W=W, WP=triton.next_power_of_2(W), BC=128, num_warps=4)
+    return out

@@ -157,16 +157,14 @@ class Mamba2Mixer(nn.Module):
             cache.ssm[block] = h.to(cache.ssm.dtype)
 
     def _prefill_kernels(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y, exact: bool) -> None:
-        """Every prefill sequence of the step: convolutions per sequence, then one chunked scan
-        (``kvos.kernels.mamba_scan``) over all of them."""
-        from kvos.kernels.mamba_scan import chunked_scan
+        """Every prefill sequence of the step: one convolution and one chunked scan over all of
+        them (``kvos.kernels.mamba_scan``)."""
+        from kvos.kernels.mamba_scan import chunked_scan, conv_prefill
 
         s = self.s
         nd = meta.num_decodes
-        conv = torch.empty(xbc.shape[0] - nd, s.conv_dim, dtype=torch.float32, device=xbc.device)
-        for seq in meta.seqs[nd:]:
-            rows = slice(seq.row, seq.row + seq.num_tokens)
-            conv[seq.row - nd: seq.row - nd + seq.num_tokens] = self._conv_prefill(xbc[rows], cache, seq)
+        conv = conv_prefill(meta.prefill_conv_rows(xbc.device), xbc[nd:], cache.conv, self.conv1d.weight,
+                            self.conv1d.bias)
         n, gn = conv.shape[0], s.groups * s.state_size
         xs = conv[:, :s.intermediate].view(n, s.num_heads, s.head_dim)
         B = conv[:, s.intermediate: s.intermediate + gn].view(n, s.groups, s.state_size)

@@ -44,6 +44,7 @@ class StateMetadata:
     num_decodes: int
     _decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     _prefill_chunks: object | None = None
+    _prefill_conv_rows: object | None = None
 
     def prefill_chunks(self, device: torch.device):
         """The prefills' chunk table for ``kvos.kernels.mamba_scan`` (rows counted from the first
@@ -53,6 +54,15 @@ class StateMetadata:
 
             self._prefill_chunks = scan_chunks(self.seqs[self.num_decodes:], self.num_decodes, device)
         return self._prefill_chunks
+
+    def prefill_conv_rows(self, device: torch.device):
+        """The prefills' convolution table for ``kvos.kernels.mamba_scan.conv_prefill``, built once
+        per step and shared by the layers."""
+        if self._prefill_conv_rows is None:
+            from kvos.kernels.mamba_scan import conv_rows
+
+            self._prefill_conv_rows = conv_rows(self.seqs[self.num_decodes:], self.num_decodes, device)
+        return self._prefill_conv_rows
 
     def decode_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                           torch.Tensor | None]:

@@ -1,7 +1,9 @@
 """The chunked prefill scan against the mixer's torch form (``ssd_chunk``, run sequence by
 sequence between save points): outputs and the states written at save points within 1e-4,
 over several sequences of one step (one from zeros, one continuing inside its read block, one
-reading another block), chunks cut both at the chunk size and at save points, heads sharing
+reading another block; the convolution likewise, its windows saved at save points, one of them
+into the block it read), chunks cut both at the chunk size and at save points and run in
+several tiles, heads sharing
 their group's B and C, and blocks no save names left untouched."""
 from __future__ import annotations
 
@@ -16,27 +18,33 @@ from tests.support.triton_interpreter import (  # first: before triton loads
 pytest.importorskip("triton")
 
 from kvos.kernels.mamba_scan import (  # noqa: E402
+    _chunk_cb_kernel,
     _chunk_scan_kernel,
     _chunk_state_kernel,
+    _conv_prefill_kernel,
+    _conv_save_kernel,
     _state_pass_kernel,
     chunked_scan,
+    conv_prefill,
+    conv_rows,
     scan_chunks,
 )
 from kvos.models.mamba import ssd_chunk  # noqa: E402
 from kvos.models.state import SeqStates  # noqa: E402
 
-skip_unless_interpreted(_chunk_state_kernel, _state_pass_kernel, _chunk_scan_kernel)
+skip_unless_interpreted(_chunk_cb_kernel, _chunk_state_kernel, _state_pass_kernel, _chunk_scan_kernel,
+                        _conv_prefill_kernel, _conv_save_kernel)
 pytestmark = pytest.mark.gpu
 
 
 def test_chunked_scan_matches_the_torch_form():
     dev = "cuda" if CUDA else "cpu"
     g = torch.Generator().manual_seed(0)
-    H, G, P, N, blocks, chunk = 4, 2, 12, 16, 9, 16
+    H, G, P, N, blocks, chunk, tile = 4, 2, 12, 16, 9, 32, 16
     seqs = [SeqStates(0, 37, -1, [(8, 1), (24, 2), (37, 4)]),   # from zeros; saves inside chunks
             SeqStates(37, 5, 3, [(5, 3)]),                       # continues inside its read block
-            SeqStates(42, 50, 5, [(20, 6), (50, 7)])]            # reads one block, saves two others
-    T = 92
+            SeqStates(42, 80, 5, [(20, 6), (80, 7)])]            # reads one block, saves two others
+    T = 122
     x, dt = torch.randn(T, H, P, generator=g), torch.rand(T, H, generator=g) * 0.5
     A, D = -torch.rand(H, generator=g) - 0.1, torch.randn(H, generator=g)
     B, C = torch.randn(T, G, N, generator=g), torch.randn(T, G, N, generator=g)
@@ -57,9 +65,9 @@ def test_chunked_scan_matches_the_torch_form():
     pool_d = pool.to(dev)
     y = torch.empty(T, H, P, device=dev)
     chunks = scan_chunks(seqs, 0, torch.device(dev), chunk=chunk)
-    assert chunks.num_chunks == 5 + 1 + 5  # 37: 8|16|24|32|37 -> 5; 5 -> 1; 50: 16|20|32|48|50 -> 5
+    assert chunks.num_chunks == 3 + 1 + 3  # 37: 8|24|37; 5; 80: 20|52|80 (a chunk ends at each save)
     chunked_scan(chunks, x.to(dev), dt.to(dev), A.to(dev), B.to(dev), C.to(dev), D.to(dev), pool_d[:, 1], y,
-                 exact=True, chunk=chunk)
+                 exact=True, chunk=chunk, tile=tile)
     assert torch.allclose(y.cpu(), ref_y, atol=1e-4, rtol=1e-4)
     got = pool_d[:, 1].cpu()
     for block in range(blocks):
@@ -68,3 +76,31 @@ def test_chunked_scan_matches_the_torch_form():
         else:
             assert torch.equal(got[block], before[block]), block
     assert torch.equal(pool_d[:, 0].cpu(), pool[:, 0])  # the other layer's slot of each page
+
+
+def test_conv_prefill_matches_the_torch_form():
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(1)
+    conv_dim, W, blocks = 200, 3, 9
+    seqs = [SeqStates(0, 2, -1, [(2, 1)]),                       # shorter than the window, from zeros
+            SeqStates(2, 5, 3, [(1, 3), (5, 4)]),                 # saves into its read block after one token
+            SeqStates(7, 30, 5, [(20, 6), (30, 7)])]
+    T = 37
+    x = torch.randn(T, 2 * conv_dim, generator=g).to(torch.bfloat16)[:, :conv_dim]  # a view of a projection
+    weight, bias = torch.randn(conv_dim, 1, W + 1, generator=g), torch.randn(conv_dim, generator=g)
+    pool = torch.randn(blocks, 2, conv_dim, W, generator=g)
+    before = pool[:, 0].clone()
+    ref, windows = torch.empty(T, conv_dim), {}
+    for q in seqs:
+        prev = before[q.read_block] if q.read_block >= 0 else torch.zeros(conv_dim, W)
+        full = torch.cat([prev, x[q.row: q.row + q.num_tokens].float().t()], dim=1)
+        out = torch.nn.functional.conv1d(full.unsqueeze(0), weight, bias, groups=conv_dim)[0].t()
+        ref[q.row: q.row + q.num_tokens] = torch.nn.functional.silu(out)
+        for b, block in q.saves:
+            windows[block] = full[:, b: b + W]
+    pool_d = pool.to(dev)
+    got = conv_prefill(conv_rows(seqs, 0, torch.device(dev)), x.to(dev), pool_d[:, 0], weight.to(dev), bias.to(dev))
+    assert torch.allclose(got.cpu(), ref, atol=1e-5, rtol=1e-5)
+    for block in range(blocks):
+        assert torch.equal(pool_d[block, 0].cpu(), windows.get(block, before[block])), block
+    assert torch.equal(pool_d[:, 1].cpu(), pool[:, 1])
