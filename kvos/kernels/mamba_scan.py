@@ -11,16 +11,18 @@ Per chunk and head, with ``cs`` the running sum of ``dt A`` inside the chunk:
    cs_s) dt_s x_s B_s^T`` ``[P, N]``, and its total decay ``cs_end``;
 2. ``_state_pass_kernel``: per sequence, in chunk order, the state entering each chunk
    (``h_c = exp(cs_end_{c-1}) h_{c-1} + own_{c-1}``, from the read block's state or zeros),
-   stored over the chunk's own contribution, and the states at save points written into their
-   blocks;
+   into a buffer of its own (written over the chunk's own contribution, the loop ran at a third
+   of the speed: every store waited for the load of the same address), and the states at save
+   points written into their blocks;
 3. ``_chunk_scan_kernel``: ``y_t = exp(cs_t) C_t h_c + sum_{s<=t} (C_t . B_s) exp(cs_t - cs_s)
    dt_s x_s + D x_t``.
 
-Float32 throughout; the matrix products use TF32 unless ``exact`` (float32 models: the CPU
-path's precision). Safety: the blocks named must be referenced for the whole step and no two
-sequences may write the same block (``StateMetadata``'s rule); a sequence's read block may be
-one of its save blocks (each program reads its tile of the state before writing it). No host
-synchronisation beyond building the chunk table from host lists.
+Float32 throughout, but for the matrix products' operands: bfloat16 (float32 sums) unless
+``exact`` (float32 models: IEEE float32, the CPU path's precision). Safety: the blocks named
+must be referenced for the whole step and no two sequences may write the same block
+(``StateMetadata``'s rule); a sequence's read block may be one of its save blocks (each program
+reads its tile of the state before writing it). No host synchronisation beyond building the
+chunk table from host lists.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ _STATE_BLOCK_N = 256
 _STATE_WARPS = 8
 _SCAN_WARPS = 4
 _PASS_BLOCK = 1024
+_PASS_WARPS = 4
 
 
 @dataclass
@@ -91,6 +94,14 @@ def scan_chunks(seqs, row0: int, device: torch.device, chunk: int = CHUNK) -> Sc
 
 
 @triton.jit
+def _dot(a, b, acc, EXACT: tl.constexpr):
+    """``acc + a @ b``: IEEE float32 when EXACT, else with bfloat16 operands (float32 sums)."""
+    if EXACT:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@triton.jit
 def _decay_before(dt_ptr, start, n, h, a, sdt, L: tl.constexpr):
     """The sum of ``dt A`` over the chunk's first ``n`` rows."""
     t = tl.arange(0, L)
@@ -112,7 +123,7 @@ def _tile_decay(dt_ptr, start, length, j, h, a, before, sdt, TB: tl.constexpr):
 def _chunk_cb_kernel(
     b_ptr, c_ptr, start_ptr, len_ptr, cb_ptr,
     sb_t, sb_g, sc_t, sc_g, G,
-    N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+    N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BN: tl.constexpr, EXACT: tl.constexpr,
 ):
     c = tl.program_id(0)
     g = tl.program_id(1)
@@ -131,7 +142,7 @@ def _chunk_cb_kernel(
                      mask=tm[:, None] & (k < N)[None, :], other=0.0)
         bm = tl.load(b_ptr + (start + s).to(tl.int64)[:, None] * sb_t + g * sb_g + k[None, :],
                      mask=sm[:, None] & (k < N)[None, :], other=0.0)
-        acc = tl.dot(cm, tl.trans(bm), acc, input_precision=PRECISION)
+        acc = _dot(cm, tl.trans(bm), acc, EXACT)
     out = cb_ptr + (c.to(tl.int64) * G + g) * (L * L)
     tl.store(out + t[:, None] * L + s[None, :], acc)
 
@@ -141,7 +152,7 @@ def _chunk_state_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, start_ptr, len_ptr, st_ptr, decay_ptr,
     sx_t, sx_h, sdt, sb_t, sb_g, H, heads_per_group,
     P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BP: tl.constexpr,
-    BN: tl.constexpr, PRECISION: tl.constexpr,
+    BN: tl.constexpr, EXACT: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -164,7 +175,7 @@ def _chunk_state_kernel(
                     other=0.0)
         b = tl.load(b_ptr + rows[:, None] * sb_t + g * sb_g + n[None, :], mask=tm[:, None] & (n < N)[None, :],
                     other=0.0)
-        acc = tl.dot(tl.trans(x * w[:, None]), b, acc, input_precision=PRECISION)  # [BP, BN]
+        acc = _dot(tl.trans(x * w[:, None]), b, acc, EXACT)  # [BP, BN]
     out = st_ptr + (c.to(tl.int64) * H + h) * (P * N)
     tl.store(out + p[:, None] * N + n[None, :], acc, mask=(p < P)[:, None] & (n < N)[None, :])
     if nb == 0:
@@ -173,7 +184,7 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _state_pass_kernel(
-    st_ptr, decay_ptr, ssm_ptr, save_ptr, first_ptr, count_ptr, read_ptr,
+    st_ptr, prev_ptr, decay_ptr, ssm_ptr, save_ptr, first_ptr, count_ptr, read_ptr,
     s_blk, s_head, H,
     PN: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -189,7 +200,7 @@ def _state_pass_kernel(
     while c < first + count:  # a while loop: the interpreter cannot range over a loaded count
         at = st_ptr + (c * H + h) * PN + e
         own = tl.load(at, mask=em, other=0.0)
-        tl.store(at, state, mask=em)  # the chunk's own contribution becomes the state entering it
+        tl.store(prev_ptr + (c * H + h) * PN + e, state, mask=em)
         state = tl.exp(tl.load(decay_ptr + c * H + h)) * state + own
         save = tl.load(save_ptr + c).to(tl.int64)
         tl.store(ssm_ptr + tl.maximum(save, 0) * s_blk + h * s_head + e, state, mask=em & (save >= 0))
@@ -201,7 +212,7 @@ def _chunk_scan_kernel(
     x_ptr, dt_ptr, a_ptr, c_ptr, d_ptr, start_ptr, len_ptr, prev_ptr, cb_ptr, y_ptr,
     sx_t, sx_h, sdt, sc_t, sc_g, sy_t, sy_h, H, G, heads_per_group,
     P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BP: tl.constexpr,
-    BN: tl.constexpr, PRECISION: tl.constexpr,
+    BN: tl.constexpr, EXACT: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -222,7 +233,7 @@ def _chunk_scan_kernel(
         km = k < N
         cm = tl.load(c_ptr + rows[:, None] * sc_t + g * sc_g + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
         hm = tl.load(prev + p[:, None] * N + k[None, :], mask=pm[:, None] & km[None, :], other=0.0)
-        acc = tl.dot(cm, tl.trans(hm), acc, input_precision=PRECISION)
+        acc = _dot(cm, tl.trans(hm), acc, EXACT)
     acc = acc * tl.exp(cs_t)[:, None]
     cb = cb_ptr + (c.to(tl.int64) * G + g) * (L * L)
     before = a * 0.0
@@ -235,7 +246,7 @@ def _chunk_scan_kernel(
                                                                              float("-inf")))
         xs = tl.load(x_ptr + (start + s).to(tl.int64)[:, None] * sx_t + h * sx_h + p[None, :],
                      mask=sm[:, None] & pm[None, :], other=0.0)
-        acc = tl.dot(scores * dt_s[None, :], xs, acc, input_precision=PRECISION)
+        acc = _dot(scores * dt_s[None, :], xs, acc, EXACT)
         j += TB
     x = tl.load(x_ptr + rows[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None] & pm[None, :], other=0.0)
     acc += tl.load(d_ptr + h) * x
@@ -259,26 +270,26 @@ def chunked_scan(chunks: ScanChunks, x: torch.Tensor, dt: torch.Tensor, A: torch
         return
     BP = max(16, triton.next_power_of_2(P))
     BN = min(_BLOCK_N, max(16, triton.next_power_of_2(N)))
-    precision = "ieee" if exact else "tf32"
     tiles = chunk // tile
     st = torch.empty(nc, H, P, N, dtype=torch.float32, device=x.device)
     decay = torch.empty(nc, H, dtype=torch.float32, device=x.device)
     cb = torch.empty(nc, G, chunk, chunk, dtype=torch.float32, device=x.device)
     _chunk_cb_kernel[(nc, G, tiles * tiles)](
         B, C, chunks.start, chunks.length, cb, B.stride(0), B.stride(1), C.stride(0), C.stride(1), G,
-        N=N, L=chunk, TB=tile, BN=BN, PRECISION=precision, num_warps=4)
+        N=N, L=chunk, TB=tile, BN=BN, EXACT=exact, num_warps=4)
     BNS = min(_STATE_BLOCK_N, max(16, triton.next_power_of_2(N)))
     _chunk_state_kernel[(nc, H, triton.cdiv(N, BNS))](
         x, dt, A, B, chunks.start, chunks.length, st, decay,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), H, H // G,
-        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BNS, PRECISION=precision, num_warps=_STATE_WARPS)
+        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BNS, EXACT=exact, num_warps=_STATE_WARPS)
+    prev = torch.empty_like(st)
     _state_pass_kernel[(chunks.num_seqs, H, triton.cdiv(P * N, _PASS_BLOCK))](
-        st, decay, ssm, chunks.save, chunks.seq_first, chunks.seq_count, chunks.seq_read,
-        ssm.stride(0), ssm.stride(1), H, PN=P * N, BLOCK=_PASS_BLOCK, num_warps=4)
+        st, prev, decay, ssm, chunks.save, chunks.seq_first, chunks.seq_count, chunks.seq_read,
+        ssm.stride(0), ssm.stride(1), H, PN=P * N, BLOCK=_PASS_BLOCK, num_warps=_PASS_WARPS)
     _chunk_scan_kernel[(nc, H, tiles)](
-        x, dt, A, C, D, chunks.start, chunks.length, st, cb, y,
+        x, dt, A, C, D, chunks.start, chunks.length, prev, cb, y,
         x.stride(0), x.stride(1), dt.stride(0), C.stride(0), C.stride(1), y.stride(0), y.stride(1), H, G, H // G,
-        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BN, PRECISION=precision, num_warps=_SCAN_WARPS)
+        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BN, EXACT=exact, num_warps=_SCAN_WARPS)
 
 
 @dataclass
