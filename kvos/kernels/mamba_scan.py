@@ -39,9 +39,14 @@ grows with it."""
 TILE = 64
 """Rows of a chunk one program handles at a time."""
 _BLOCK_N = 64
-_STATE_BLOCK_N = 256
-_STATE_WARPS = 8
+_STATE_BLOCK_N = 128
+_STATE_WARPS = 4
 _SCAN_WARPS = 4
+_SCAN_STAGES = 3
+_STATE_STAGES = 1
+_CONV_ROWS = 16
+_CONV_CHANNELS = 128
+_CONV_WARPS = 4
 _PASS_BLOCK = 1024
 _PASS_WARPS = 4
 
@@ -281,7 +286,8 @@ def chunked_scan(chunks: ScanChunks, x: torch.Tensor, dt: torch.Tensor, A: torch
     _chunk_state_kernel[(nc, H, triton.cdiv(N, BNS))](
         x, dt, A, B, chunks.start, chunks.length, st, decay,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), H, H // G,
-        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BNS, EXACT=exact, num_warps=_STATE_WARPS)
+        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BNS, EXACT=exact, num_warps=_STATE_WARPS,
+        num_stages=_STATE_STAGES)
     prev = torch.empty_like(st)
     _state_pass_kernel[(chunks.num_seqs, H, triton.cdiv(P * N, _PASS_BLOCK))](
         st, prev, decay, ssm, chunks.save, chunks.seq_first, chunks.seq_count, chunks.seq_read,
@@ -289,7 +295,8 @@ def chunked_scan(chunks: ScanChunks, x: torch.Tensor, dt: torch.Tensor, A: torch
     _chunk_scan_kernel[(nc, H, tiles)](
         x, dt, A, C, D, chunks.start, chunks.length, prev, cb, y,
         x.stride(0), x.stride(1), dt.stride(0), C.stride(0), C.stride(1), y.stride(0), y.stride(1), H, G, H // G,
-        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BN, EXACT=exact, num_warps=_SCAN_WARPS)
+        P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BN, EXACT=exact, num_warps=_SCAN_WARPS,
+        num_stages=_SCAN_STAGES)
 
 
 @dataclass
@@ -384,9 +391,10 @@ def conv_prefill(rows: ConvRows, x: torch.Tensor, conv: torch.Tensor, weight: to
     assert conv.stride(2) == 1 and x.stride(1) == 1 and weight.stride(2) == 1
     out = torch.empty(T, conv_dim, dtype=torch.float32, device=x.device)
     b = bias if bias is not None else weight
-    _conv_prefill_kernel[(triton.cdiv(T, 32), triton.cdiv(conv_dim, 128))](
+    _conv_prefill_kernel[(triton.cdiv(T, _CONV_ROWS), triton.cdiv(conv_dim, _CONV_CHANNELS))](
         x, conv, rows.seq_row, rows.read, weight, b, out, T, conv_dim, x.stride(0), conv.stride(0), conv.stride(1),
-        weight.stride(0), out.stride(0), W=W, BT=32, BC=128, HAS_BIAS=bias is not None, num_warps=4)
+        weight.stride(0), out.stride(0), W=W, BT=_CONV_ROWS, BC=_CONV_CHANNELS, HAS_BIAS=bias is not None,
+        num_warps=_CONV_WARPS)
     n = rows.saves.shape[1]
     if n:
         _conv_save_kernel[(n, triton.cdiv(conv_dim, 128))](
