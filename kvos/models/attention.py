@@ -65,6 +65,10 @@ class AttentionBackend(ABC):
     null block (0): they are never needed for the result.
     """
 
+    cpu_decode_kernel: bool = False
+    """True when decode rows over float32 CPU caches are written by ``paged_write`` and attend
+    by ``paged_decode_attention`` (``kvos.kernels.cpu``), so a model may run them from C."""
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:

@@ -163,6 +163,10 @@ class LlamaForCausalLM(nn.Module):
         group's metadata). ``num_layers``: run only the first layers, then the final norm (a
         self-draft's early exit). ``media_embeds`` (rows, values ``[rows, hidden]``): those input
         rows take the given embeddings (an image tile's soft tokens) in place of their token's."""
+        if num_layers is None and media_embeds is None:
+            fused = self._cpu_decode(input_ids, positions, kv_caches, metas, backend)
+            if fused is not None:
+                return fused
         x, residual = self.embed_tokens(input_ids), None
         if media_embeds is not None:
             rows, values = media_embeds
@@ -173,6 +177,58 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def _cpu_decode(self, input_ids, positions, kv_caches, metas, backend) -> torch.Tensor | None:
+        """The hidden states of a step of decodes from one C call over every layer
+        (``kvos.kernels.cpu.decoder_layers``), or None where that path does not apply: not all
+        rows decodes of one cache group, more rows than the block weights serve, or a model,
+        backend or cache it does not cover (``_decode_layers``)."""
+        m, meta = input_ids.shape[0], metas[0]
+        if (input_ids.device.type != "cpu" or not backend.cpu_decode_kernel
+                or not 0 < m <= ops.BLOCK_WEIGHT_ROWS or meta.num_decodes != m
+                or any(other is not meta for other in metas)):
+            return None
+        layers = self._decode_layers(kv_caches)
+        if layers is None:
+            return None
+        out, residual = layers.run(self.embed_tokens(input_ids), positions, meta.slot_mapping, meta.block_tables,
+                                   meta.seq_lens, self.rope.cos, self.rope.sin)
+        return self.norm(out, residual)[0]
+
+    def _decode_layers(self, kv_caches: Sequence[KVCache]):
+        """The C view of the layers and ``kv_caches`` (built once per cache set), or None when a
+        layer is not the plain Llama one (q/k norms, biases, another activation, a subclass's
+        layers, tensor-parallel shards and their hooks), a weight lacks its block form, the
+        weights are not float32, or a cache is quantized or laid out unlike the first."""
+        key = tuple((c.k.data_ptr(), c.v.data_ptr()) for c in kv_caches)
+        cached = getattr(self, "_decode_layers_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        from kvos.kernels.cpu.build import library
+        from kvos.kernels.cpu.decoder_layers import DecodeLayers
+
+        cfg, built = self.cfg, None
+        layers = []
+        for i, layer in enumerate(self.layers):
+            a, mlp, c = layer.self_attn, layer.mlp, kv_caches[i] if i < len(kv_caches) else None
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (type(layer) is not DecoderLayer or type(a) is not Attention or type(mlp) is not MLP
+                    or a.q_norm is not None or mlp.act_and_mul is not ops.silu_and_mul
+                    or any(type(lin) is not ops.Linear or lin.blocks is None or lin.bias is not None
+                           or lin._forward_hooks for lin in linears)
+                    or c is None or c.quantized or c.k.dtype != torch.float32 or c.k.stride() != c.v.stride()
+                    or c.k.stride() != kv_caches[0].k.stride() or c.k.stride(-1) != 1):
+                break
+            layers.append((*(lin.blocks for lin in linears), layer.input_layernorm.weight.detach(),
+                           layer.post_attention_layernorm.weight.detach(), c.k, c.v, a.window))
+        else:
+            if (library() is not None and type(self.embed_tokens) is nn.Embedding
+                    and self.embed_tokens.weight.dtype == torch.float32
+                    and cfg.head_dim % 8 == 0 and self.rope is not None):
+                built = DecodeLayers(layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                     cfg.intermediate_size, cfg.rms_norm_eps, self.layers[0].self_attn.scale)
+        self._decode_layers_cache = (key, built)
+        return built
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up. Raises ValueError on a missing or

@@ -10,6 +10,10 @@ class CpuBackend(TorchReferenceBackend):
     ``kernels.cpu.paged_attention`` (reading K/V in place through the block tables); quantized
     caches, other dtypes and prefill attention take the torch reference's path."""
 
+    cpu_decode_kernel = True
+    """Decode rows over float32 caches are exactly ``paged_decode_attention`` (models may call
+    it from C: ``kvos.kernels.cpu.decoder_layers``)."""
+
     def _write(self, k, v, cache, slot_mapping):
         if cache.quantized or not supports(k, cache.k, cache.v):
             return super()._write(k, v, cache, slot_mapping)

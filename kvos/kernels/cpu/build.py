@@ -17,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant_matmul.c", "paged_attention.c", "elementwise.c")
+SOURCES = ("quant_matmul.c", "paged_attention.c", "elementwise.c", "decoder_layers.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 """``-ffp-contract=off``: a multiply followed by an add stays two roundings (the dequantized
 weights then equal the float32 reference bit for bit)."""
@@ -86,4 +86,6 @@ def library() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
     lib.rotary.restype = None
+    lib.llama_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.llama_decode_layers.restype = None
     return lib
