@@ -38,6 +38,8 @@ traffic (one ``[H, P, N]`` float32 state per chunk, written and read twice), the
 grows with it."""
 TILE = 64
 """Rows of a chunk one program handles at a time."""
+# Tiles, warps and stages per kernel: the fastest of sweeps on an H200 at Bamba-9B's layer shape
+# (benchmarks/scripts/mamba_scan_gpu.py); module constants so that a sweep can set them.
 _BLOCK_N = 64
 _STATE_BLOCK_N = 128
 _STATE_WARPS = 4

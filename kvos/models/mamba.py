@@ -52,25 +52,26 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt_raw = self.in_proj(x).split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
         y = torch.empty(x.shape[0], s.intermediate, dtype=torch.float32, device=x.device)
         nd = meta.num_decodes
-        kernels = ops.use_kernels(x)
-        if nd and kernels:
-            self._decode_kernels(xbc[:nd], dt_raw[:nd], cache, meta, y[:nd])
-        if nd < x.shape[0] or (nd and not kernels):
-            dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(s.dt_min, s.dt_max)
-            A = -torch.exp(self.A_log.float())
-            if nd and not kernels:
-                self._decode(xbc[:nd], dt[:nd], A, cache, meta, y[:nd])
-            if kernels:
-                self._prefill_kernels(xbc, dt, A, cache, meta, y, exact=x.dtype == torch.float32)
-            else:
-                for seq in meta.seqs[nd:]:
-                    rows = slice(seq.row, seq.row + seq.num_tokens)
-                    self._prefill(xbc[rows], dt[rows], A, cache, seq, y[rows])
-        if kernels:
+        if ops.use_kernels(x):
             from kvos.kernels.mamba_update import gated_rms_norm
 
+            if nd:
+                self._decode_kernels(xbc[:nd], dt_raw[:nd], cache, meta, y[:nd])
+            if nd < x.shape[0]:  # the decode kernel applies dt's bias and softplus itself
+                self._prefill_kernels(xbc, self._dt(dt_raw[nd:]), -torch.exp(self.A_log.float()), cache, meta, y,
+                                      exact=x.dtype == torch.float32)
             return self.out_proj(gated_rms_norm(y, z, self.norm.weight, s.groups, s.norm_eps, x.dtype))
+        dt, A = self._dt(dt_raw), -torch.exp(self.A_log.float())
+        if nd:
+            self._decode(xbc[:nd], dt[:nd], A, cache, meta, y[:nd])
+        for seq in meta.seqs[nd:]:
+            rows = slice(seq.row, seq.row + seq.num_tokens)
+            self._prefill(xbc[rows], dt[rows], A, cache, seq, y[rows])
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
+
+    def _dt(self, dt_raw: torch.Tensor) -> torch.Tensor:
+        """The discretisation steps: ``clamp(softplus(dt_raw + dt_bias))``, float32."""
+        return F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(self.s.dt_min, self.s.dt_max)
 
     def _conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight.squeeze(1)  # [conv_dim, kernel]
@@ -158,7 +159,7 @@ class Mamba2Mixer(nn.Module):
 
     def _prefill_kernels(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y, exact: bool) -> None:
         """Every prefill sequence of the step: one convolution and one chunked scan over all of
-        them (``kvos.kernels.mamba_scan``)."""
+        them (``kvos.kernels.mamba_scan``); ``dt``: the prefill rows' steps."""
         from kvos.kernels.mamba_scan import chunked_scan, conv_prefill
 
         s = self.s
@@ -169,7 +170,7 @@ class Mamba2Mixer(nn.Module):
         xs = conv[:, :s.intermediate].view(n, s.num_heads, s.head_dim)
         B = conv[:, s.intermediate: s.intermediate + gn].view(n, s.groups, s.state_size)
         C = conv[:, s.intermediate + gn:].view(n, s.groups, s.state_size)
-        chunked_scan(meta.prefill_chunks(xbc.device), xs, dt[nd:], A, B, C, self.D.float(), cache.ssm,
+        chunked_scan(meta.prefill_chunks(xbc.device), xs, dt, A, B, C, self.D.float(), cache.ssm,
                      y[nd:].view(n, s.num_heads, s.head_dim), exact=exact)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
