@@ -79,7 +79,7 @@ def run(a: argparse.Namespace) -> dict:
         print(kv_dtype, "long-context", round(run_row["output_tok_s"], 1), "output tok/s", flush=True)
         if cuda and a.micro_batches:
             longest = max(a.micro_contexts)
-            eng.runner.capture_decode_graphs(kw["max_num_seqs"], longest + 1, max_context=longest)
+            eng.runner.capture_cuda_graphs(kw["max_num_seqs"], longest + 1, max_context=longest)
             row["decode_micro"] = decode_micro(llm, cost, ceilings, a.micro_batches, a.micro_contexts)
             print_decode_micro(row["decode_micro"], "  ")
         result["kv_dtypes"][kv_dtype] = row

@@ -169,6 +169,10 @@ class EngineConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "fraction of the GPU's memory the engine may use (weights, activations and KV pool)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs"})
+    mixed_graph_tokens: int = field(default=1024, metadata={
+        "help": "on a GPU, steps with prefill rows of up to this many tokens replay CUDA graphs of everything "
+                "between the attention kernels (piecewise graphs; Llama-family models on one rank); 0: only "
+                "decode steps run in graphs"})
     block_weights: bool = field(default=True, metadata={
         "flag": "--no-block-weights", "negate": True,
         "help": "on the CPU, decode-size batches multiply a GGUF's Q4_1/Q8_0 layers as stored, through C kernels "
@@ -194,6 +198,8 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
                                                        or self.kv_cache_memory_bytes < 1):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        if not isinstance(self.mixed_graph_tokens, int) or self.mixed_graph_tokens < 0:
+            raise ValueError(f"mixed_graph_tokens must be a non-negative integer, got {self.mixed_graph_tokens!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -241,7 +241,8 @@ class LLMEngine:
             spec = config.speculative_config
             if spec is not None:
                 rows = max(rows, min(rows, spec.disable_by_batch_size) * (spec.num_speculative_tokens + 1))
-            self.runner.capture_decode_graphs(rows, self.max_model_len)
+            self.runner.capture_cuda_graphs(rows, self.max_model_len,
+                                            mixed_tokens=min(config.mixed_graph_tokens, config.max_num_batched_tokens))
         t_graphs = time.perf_counter()
         self.startup_s = {"weights": t_weights - t0, "kv_profile": t_profile - t_weights,
                           "kv_allocate": t_alloc - t_profile, "cuda_graphs": t_graphs - t_alloc}

@@ -89,6 +89,13 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.project(x, positions, rope)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
+        """q ``[T, H, D]``, k and v ``[T, KVH, D]`` of the normed input: the fused projection,
+        Qwen3's per-head norms, RoPE on q and k."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.nh, self.hd)
         k = k.view(-1, self.nkv, self.hd)
@@ -96,8 +103,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return q, k, v
 
 
 class MLP(nn.Module):

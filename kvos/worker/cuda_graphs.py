@@ -32,7 +32,7 @@ class DecodeGraphs:
                  max_blocks: int, state_groups: frozenset[int] = frozenset()) -> None:
         """``state_groups``: the cache groups of Mamba state, whose reads and writes the graph
         derives from their tables (``graph_state_metadata``)."""
-        dev = kv_layers[layer_group.index(min(set(range(num_groups)) - state_groups))].k.device
+        dev = next(kv_layers[i] for i, g in enumerate(layer_group) if g not in state_groups).k.device
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.sizes = batch_ladder(max_batch)

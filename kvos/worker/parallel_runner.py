@@ -260,9 +260,10 @@ class ParallelRunner(ModelRunner):
         self._send("allocate_kv_cache", layout, num_pages)
         super().allocate_kv_cache(layout, num_pages)
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_context: int = 8192) -> None:
-        self._send("capture_decode_graphs", max_num_seqs, max_model_len, max_context)
-        super().capture_decode_graphs(max_num_seqs, max_model_len, max_context)
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_context: int = 8192,
+                            mixed_tokens: int = 0) -> None:
+        self._send("capture_cuda_graphs", max_num_seqs, max_model_len, max_context, mixed_tokens)
+        super().capture_cuda_graphs(max_num_seqs, max_model_len, max_context, mixed_tokens)
 
     def time_all_reduce(self, rows: int, reps: int = 20) -> float:
         self._send("time_all_reduce", rows, reps)

@@ -120,6 +120,8 @@ class ModelRunner:
         """K/V heads this rank's pool holds per layer (``cfg.num_kv_heads`` without tensor parallelism)."""
         self.backend = backend or default_backend(device)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs = None
+        """``MixedStepGraphs`` once captured (a GPU with triton)."""
         self.sampler = Sampler()
         self.layout: CacheLayout | None = None
         self.kv_buffer: torch.Tensor | None = None
@@ -237,11 +239,14 @@ class ModelRunner:
             times.append(a.elapsed_time(b) / 1e3 / n)
         return statistics.median(times[3:])
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_context: int = 8192) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_context: int = 8192,
+                            mixed_tokens: int = 0) -> None:
         """CUDA graphs for decode steps of up to ``max_num_seqs`` sequences of up to
         ``min(max_model_len, max_context)`` tokens (longer or larger steps run eagerly). A graph's
         decode kernel splits the context for the longest table it can hold, so a larger
-        ``max_context`` serves long contexts at graph speed and short ones a little slower."""
+        ``max_context`` serves long contexts at graph speed and short ones a little slower.
+        ``mixed_tokens`` > 0: also piecewise graphs (``MixedStepGraphs``) for other steps of up
+        to that many tokens, where the model and backend allow (one rank, Llama family)."""
         assert self.kv_buffer is not None, "allocate_kv_cache first"
         max_blocks = -(-min(max_model_len, max_context) // self.block_size)
         with torch.inference_mode():
@@ -251,6 +256,12 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.capture_graphs(len(self.group_caches), self.backend, self.block_size,
                                           min(max_num_seqs, 256), max_blocks)
+            if mixed_tokens > 0 and self.tp is None:
+                from kvos.worker.mixed_graphs import MixedStepGraphs  # imports triton
+
+                if MixedStepGraphs.supports(self.model, self.backend):
+                    self.mixed_graphs = MixedStepGraphs(self.model, self.kv_layers, self.layer_group,
+                                                        len(self.group_caches), self.backend, mixed_tokens)
 
     def set_draft(self, draft: DraftModel) -> None:
         """Draft speculative tokens with ``draft`` (before ``allocate_kv_cache``, which binds its
@@ -638,7 +649,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend, media_embeds=media)
         else:
             layer_metas = [metas[g] for g in self.layer_group]
-            hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
+            mg = self.mixed_graphs
+            if mg is not None and mg.can_run(input_ids.shape[0]):
+                hidden = mg.run(input_ids, positions, slots, layer_metas)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_layers, layer_metas, self.backend)
         if self.hidden_hook is not None:
             order = sorted(step.seqs, key=lambda s: s.num_new_tokens != 1)  # _prepare's row order
             self.hidden_hook([(s.request_id, s.start + i) for s in order for i in range(s.num_new_tokens)], hidden)

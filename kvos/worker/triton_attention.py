@@ -22,9 +22,22 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        self.write(k, v, cache, meta.slot_mapping)
+        return self.attend(q, cache, meta, scale, window, torch.empty_like(q))
+
+    @staticmethod
+    def write(k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
+        """K/V ``[T, KVH, D]`` into their slots (quantized where the cache has scales); rows
+        whose slot is -1 write nothing. Depends on shapes alone: safe inside a CUDA graph."""
         k_cache, v_cache, k_scale, v_scale = cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-        out = torch.empty_like(q)
+        write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+    @staticmethod
+    def attend(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float, window: int | None,
+               out: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` (``meta``'s rows: decodes first, then prefill chunks) over the paged
+        cache alone, into ``out`` ``[T, H, D]``; the step's own K/V must be written first."""
+        k_cache, v_cache, k_scale, v_scale = cache
         nd = meta.num_decodes
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],

@@ -239,3 +239,12 @@ def test_an_offline_eviction_policy_is_refused_before_the_model_loads():
 
     with pytest.raises(ValueError, match="eviction_policy 'belady'"):
         LLMEngine(EngineConfig(eviction_policy="belady"))
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "512"])
+def test_mixed_graph_tokens_must_be_a_non_negative_integer(value):
+    from kvos.config import EngineConfig
+
+    with pytest.raises(ValueError, match="mixed_graph_tokens"):
+        EngineConfig(mixed_graph_tokens=value)
+    assert EngineConfig(mixed_graph_tokens=0).mixed_graph_tokens == 0
