@@ -107,7 +107,8 @@ def _paged_cache(num_blocks: int, block_size: int, kv_heads: int, dim: int):
     return pool[:, 1, 0], pool[:, 1, 1]
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 20), (2, 2, 32, 7)])
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (8, 2, 128, 40), (4, 1, 256, 20),
+                                                      (2, 2, 32, 7)])
 def test_paged_decode_attention_equals_the_torch_reference(heads, kv_heads, dim, window):
     from kvos.kernels.cpu.paged_attention import decode_attention, supports
     from kvos.worker.torch_attention import TorchReferenceBackend

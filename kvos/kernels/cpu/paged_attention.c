@@ -5,7 +5,9 @@
  * base + block * sb + token * st + head * sh + d. Grouped-query heads sharing a KV head read
  * each key and value once. The softmax is computed a block at a time (running maximum,
  * rescaled sums) in float32 with expf; the result matches the masked float32 softmax up to the
- * rounding of the sums' order.
+ * rounding of the sums' order. Head sizes 64 and 128 take a path with the accumulator in
+ * registers (the same operations in the same order); every next block's rows are prefetched,
+ * since a block's address comes from the table.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -22,6 +24,16 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return _mm_cvtss_f32(s);
 }
 
+/* Every row of one block's K and V (head offset included in ``at``) into the cache hierarchy. */
+static inline void prefetch_rows(const float *kc, const float *vc, int64_t at, int64_t st, int64_t rows,
+                                 int64_t D) {
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t d = 0; d < D; d += 16) {
+            _mm_prefetch((const char *)(kc + at + t * st + d), _MM_HINT_T0);
+            _mm_prefetch((const char *)(vc + at + t * st + d), _MM_HINT_T0);
+        }
+}
+
 /* acc = acc * c + p * v */
 static inline void scale_axpy(float *acc, float c, float p, const float *v, int64_t D) {
     const __m256 C = _mm256_set1_ps(c), P = _mm256_set1_ps(p);
@@ -29,6 +41,52 @@ static inline void scale_axpy(float *acc, float c, float p, const float *v, int6
         _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(P, _mm256_loadu_ps(v + d),
                                                   _mm256_mul_ps(_mm256_loadu_ps(acc + d), C)));
 }
+
+/* One query head i of a (sequence, KV head) job with D fixed at compile time: the same
+ * operations in the same order as the generic loop below (so the same result, bit for bit), with
+ * the head's accumulator held in registers across the whole context instead of read and written
+ * back for every key. */
+#define ATTEND_HEAD(DD)                                                                            \
+    static void attend_head_##DD(const float *qh, const float *kc, const float *vc, int64_t sb,   \
+                                 int64_t st, int64_t hoff, const int32_t *table, int64_t start,   \
+                                 int64_t len, int64_t block_size, float scale, float *scores,      \
+                                 float *o) {                                                       \
+        enum { V = DD / 8 };                                                                       \
+        __m256 acc[V];                                                                             \
+        for (int v = 0; v < V; v++) acc[v] = _mm256_setzero_ps();                                  \
+        float m = -INFINITY, l = 0.0f;                                                             \
+        for (int64_t t0 = start; t0 < len;) {                                                      \
+            const int64_t b = t0 / block_size;                                                     \
+            const int64_t t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;           \
+            const int64_t at = table[b] * sb + hoff;                                               \
+            if (t1 < len) prefetch_rows(kc, vc, table[b + 1] * sb + hoff, st, block_size, DD);     \
+            float bm = m;                                                                          \
+            for (int64_t t = t0; t < t1; t++) {                                                    \
+                const float sc = dot(qh, kc + at + (t % block_size) * st, DD) * scale;             \
+                scores[t - t0] = sc;                                                               \
+                if (sc > bm) bm = sc;                                                              \
+            }                                                                                      \
+            const __m256 C = _mm256_set1_ps(expf(m - bm)); /* 0 on the first block */              \
+            l *= expf(m - bm);                                                                     \
+            for (int64_t t = t0; t < t1; t++) { /* no calls below: acc stays in registers */       \
+                scores[t - t0] = expf(scores[t - t0] - bm);                                        \
+                l += scores[t - t0];                                                               \
+            }                                                                                      \
+            for (int64_t t = t0; t < t1; t++) {                                                    \
+                const __m256 P = _mm256_set1_ps(scores[t - t0]);                                   \
+                const float *vr = vc + at + (t % block_size) * st;                                 \
+                for (int v = 0; v < V; v++)                                                        \
+                    acc[v] = _mm256_fmadd_ps(P, _mm256_loadu_ps(vr + 8 * v),                       \
+                                             t == t0 ? _mm256_mul_ps(acc[v], C) : acc[v]);         \
+            }                                                                                      \
+            m = bm;                                                                                \
+            t0 = t1;                                                                               \
+        }                                                                                          \
+        const float inv = l > 0 ? 1.0f / l : 0.0f;                                                 \
+        for (int v = 0; v < V; v++) _mm256_storeu_ps(o + 8 * v, _mm256_mul_ps(acc[v], _mm256_set1_ps(inv))); \
+    }
+ATTEND_HEAD(64)
+ATTEND_HEAD(128)
 
 /* q, out: [nseq, nh, D] contiguous; tables [nseq, table_stride] int32; D a multiple of 8. */
 void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nkv, int64_t D,
@@ -42,6 +100,16 @@ void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nk
         const int64_t s = job / nkv, g = job % nkv;
         const int64_t len = seq_lens[s];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        if (D == 64 || D == 128) {
+            float scores[block_size];
+            for (int64_t i = 0; i < group; i++) {
+                const int64_t h = g * group + i;
+                (D == 64 ? attend_head_64 : attend_head_128)(q + (s * nh + h) * D, kc, vc, sb, st, g * sh,
+                                                             tables + s * table_stride, start, len, block_size,
+                                                             scale, scores, out + (s * nh + h) * D);
+            }
+            continue;
+        }
         float *scores = malloc(sizeof(float) * group * block_size);
         float *acc = calloc(group * D, sizeof(float));
         float *mx = malloc(sizeof(float) * group), *sum = calloc(group, sizeof(float));
@@ -52,6 +120,8 @@ void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nk
             const int64_t t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
             const int64_t blk = tables[s * table_stride + b];
             const float *kb = kc + blk * sb + g * sh, *vb = vc + blk * sb + g * sh;
+            if (t1 < len) /* the next block's rows: its address is in the table, not predictable */
+                prefetch_rows(kc, vc, tables[s * table_stride + b + 1] * sb + g * sh, st, block_size, D);
             for (int64_t i = 0; i < group; i++) {
                 float *sc = scores + i * block_size, m = mx[i];
                 for (int64_t t = t0; t < t1; t++) {
