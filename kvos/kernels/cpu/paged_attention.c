@@ -66,8 +66,9 @@ static inline void scale_axpy(float *acc, float c, float p, const float *v, int6
                 scores[t - t0] = sc;                                                               \
                 if (sc > bm) bm = sc;                                                              \
             }                                                                                      \
-            const __m256 C = _mm256_set1_ps(expf(m - bm)); /* 0 on the first block */              \
-            l *= expf(m - bm);                                                                     \
+            const float c = expf(m - bm); /* 0 on the first block */                               \
+            const __m256 C = _mm256_set1_ps(c);                                                    \
+            l *= c;                                                                                \
             for (int64_t t = t0; t < t1; t++) { /* no calls below: acc stays in registers */       \
                 scores[t - t0] = expf(scores[t - t0] - bm);                                        \
                 l += scores[t - t0];                                                               \
