@@ -103,6 +103,7 @@ def worker_main(conn: Connection, rank: int, size: int, init_method: str, model_
     longer match rank 0's."""
     torch.set_num_threads(threads)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="kvos-tp-parent-watch", daemon=True).start()
+    runner: ModelRunner | None = None
     try:
         dev = _rank_device(device, rank)
         if dev.type == "cuda":
@@ -128,6 +129,8 @@ def worker_main(conn: Connection, rank: int, size: int, init_method: str, model_
             pass
     finally:
         if dist.is_initialized():
+            if runner is not None:
+                runner.release_cuda_graphs()  # NCCL's teardown waits for graphs holding collectives
             dist.destroy_process_group()
 
 
@@ -339,16 +342,18 @@ class ParallelRunner(ModelRunner):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the workers (reaped, killed after ``timeout``) and leave the process group, rank 0
-        while the workers leave theirs. A teardown that does not end within ``timeout`` is given
-        up and the process keeps its group (no other tensor-parallel engine can start in it): on
-        two H200s NCCL's teardown of an engine in the caller's process never ended (it hung for
-        good before this timeout; not found yet). Gloo's (the CPU) ends at once."""
+        while the workers leave theirs. Every rank drops its CUDA graphs first: graphs that
+        captured NCCL collectives hold references on the communicator, and NCCL's teardown
+        waits for them (it never ended with the graphs alive). A teardown that still does not
+        end within ``timeout`` is given up, and the process keeps its group (no other
+        tensor-parallel engine can start in it)."""
         for link in self._links:
             try:
                 link.conn.send(("shutdown", ()))
             except OSError:
                 pass
         if dist.is_initialized():
+            self.release_cuda_graphs()
             leave = threading.Thread(target=dist.destroy_process_group, name="kvos-tp-leave", daemon=True)
             leave.start()
             leave.join(timeout)

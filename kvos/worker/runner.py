@@ -1,6 +1,7 @@
 """The tensor side of the engine: owns the model, the paged K/V tensors and the sampler."""
 from __future__ import annotations
 
+import gc
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -246,7 +247,7 @@ class ModelRunner:
         decode kernel splits the context for the longest table it can hold, so a larger
         ``max_context`` serves long contexts at graph speed and short ones a little slower.
         ``mixed_tokens`` > 0: also piecewise graphs (``MixedStepGraphs``) for other steps of up
-        to that many tokens, where the model and backend allow (one rank, Llama family)."""
+        to that many tokens, where the model and backend allow (Llama family)."""
         assert self.kv_buffer is not None, "allocate_kv_cache first"
         max_blocks = -(-min(max_model_len, max_context) // self.block_size)
         with torch.inference_mode():
@@ -256,12 +257,25 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.capture_graphs(len(self.group_caches), self.backend, self.block_size,
                                           min(max_num_seqs, 256), max_blocks)
-            if mixed_tokens > 0 and self.tp is None:
+            if mixed_tokens > 0:
                 from kvos.worker.mixed_graphs import MixedStepGraphs  # imports triton
 
                 if MixedStepGraphs.supports(self.model, self.backend):
                     self.mixed_graphs = MixedStepGraphs(self.model, self.kv_layers, self.layer_group,
                                                         len(self.group_caches), self.backend, mixed_tokens)
+
+    def release_cuda_graphs(self) -> None:
+        """Drop every captured graph (steps run eagerly after). A tensor-parallel rank must do
+        this before leaving its NCCL group: graphs that captured collectives hold references on
+        the communicator, and its teardown waits for them to be released."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs = self.mixed_graphs = None
+        if self.draft is not None:
+            self.draft.graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def set_draft(self, draft: DraftModel) -> None:
         """Draft speculative tokens with ``draft`` (before ``allocate_kv_cache``, which binds its

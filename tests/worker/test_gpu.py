@@ -339,6 +339,48 @@ def test_disaggregated_prefill_moves_blocks_by_cuda_ipc(folder):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_engine_on_two_gpus_matches_one_rank_and_leaves_its_group():
+    """One engine over 2 GPUs (NCCL; decode graphs and the piecewise graphs of steps with prefill
+    capture the all-reduces) against one rank, fp32: the same greedy tokens and logits within
+    1e-4 of the largest, with prefix hits, chunked prefill and preemption. Its shutdown leaves
+    the process group (the graphs released first), so a second tensor-parallel engine starts in
+    the same process and gives the same tokens."""
+    import torch.distributed as dist
+
+    from kvos import LLM
+
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 4096, (100,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": shared + torch.randint(3, 4096, (n,), generator=g).tolist()}
+               for n in (1, 30, 120, 200)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(random_weights=True, device="cuda", dtype="float32", num_blocks=40, block_size=16,
+              max_num_batched_tokens=64, max_num_seqs=4)
+
+    def run(llm):
+        rows: dict[str, list[torch.Tensor]] = {}
+        llm.engine.runner.logits_hook = lambda ids, r: [rows.setdefault(i, []).append(x.clone())
+                                                        for i, x in zip(ids, r)]
+        outs = llm.generate(prompts * 2, sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], [torch.stack(rows[o.request_id]) for o in outs]
+
+    with LLM("llama-tiny", **kw) as one:
+        ref, ref_rows = run(one)
+    sharded = LLM("llama-tiny", tensor_parallel_size=2, **kw)
+    got, rows = run(sharded)
+    stats = sharded.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_hits_tokens"] > 0
+    assert sharded.engine.runner.mixed_graphs.steps > 0  # (no reference kept: graphs must go first)
+    sharded.shutdown()
+    assert not dist.is_initialized()
+    assert got == ref
+    scale = max(r.abs().max().item() for r in ref_rows)
+    assert max((a - b).abs().max().item() for a, b in zip(rows, ref_rows)) <= 1e-4 * scale
+    with LLM("llama-tiny", tensor_parallel_size=2, **kw) as again:
+        assert run(again)[0] == ref
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_disaggregated_prefill_between_tensor_parallel_engines(folder):
     """1 prefill + 1 decode engine of 2 ranks each on 2 GPUs (shared: the prefill engine's rank r
     on GPU r+1 mod 2, the decode engine's on GPU r): each rank's part of the prompt's blocks goes
