@@ -3,6 +3,7 @@ logits within float32's reassociation error, with prefix hits, preemption and n 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvos import LLM, SamplingParams
 
@@ -76,13 +77,19 @@ def test_refused_settings_name_the_field():
         LLM(tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("tier", ["cpu"])
-def test_tiers_below_the_device_hold_every_ranks_part(tier, tmp_path):
+TWO_GPUS = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"), pytest.mark.gpu]
+
+
+@pytest.mark.parametrize("tier,device", [("cpu", "cpu"), pytest.param("cpu", "cuda", marks=TWO_GPUS),
+                                         pytest.param("disk", "cuda", marks=TWO_GPUS)])
+def test_tiers_below_the_device_hold_every_ranks_part(tier, device, tmp_path):
     """A prompt's blocks stored in a tier as whole rows (every rank's part side by side), evicted
     from a small pool by another prompt, come back from the tier, each rank loading its part: the
-    tokens of one rank with the same tier. (``disk`` passes too; left out of the suite for time:
-    every tier takes the same rows.)"""
+    tokens of one rank with the same tier. On the CPU (gloo) and two GPUs (NCCL; the rows pass
+    through host memory). (``disk`` on the CPU passes too; left out of the suite for time: every
+    tier takes the same rows.)"""
     kw = dict(random_weights=True, skip_tokenizer_init=True, max_num_seqs=2, num_blocks=12, block_size=8,
+              device=device,
               **({"cpu_cache_gb": 0.05} if tier == "cpu" else {"disk_cache_dir": str(tmp_path / "disk")}))
     first, other = [[3 + i % 50 for i in range(72)]], [[60 + i % 40 for i in range(72)]]  # 9 blocks each
     results = []
