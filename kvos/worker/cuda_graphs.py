@@ -1,10 +1,44 @@
 """Whole decode steps captured as CUDA graphs at a ladder of batch sizes."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
 import torch
 
 from kvos.models.attention import AttentionBackend, AttentionMetadata
 from kvos.models.state import graph_state_metadata
+
+T = TypeVar("T")
+
+
+def warm_up(device: torch.device, run: Callable[[], object], times: int = 2) -> None:
+    """Run ``run`` ``times`` on a side stream before a capture: kernel compilation and the
+    allocator's first blocks stay out of the graph."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def capture(run: Callable[[], T], pool: object | None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``run`` captured as one graph in memory pool ``pool`` (None: a new pool, then
+    ``graph.pool()`` for the next captures to share); returns the graph and ``run``'s output,
+    whose tensors each replay overwrites."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
+def upload(graphs: Iterable[torch.cuda.CUDAGraph], device: torch.device) -> None:
+    """Replay each graph once (the first replay uploads it; done at start-up, not mid-run).
+    Only safe when the graphs' inputs are padding that writes nothing to the cache."""
+    for graph in graphs:
+        graph.replay()
+    torch.cuda.synchronize(device)
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -58,20 +92,10 @@ class DecodeGraphs:
                 layer_metas = [metas[g] for g in layer_group]
                 return model(self.input_ids[:size], self.positions[:size], kv_layers, layer_metas, backend)
 
-            stream = torch.cuda.Stream(device=dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):  # warm up (kernel compilation, allocator) off the graph
-                step()
-                step()
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = step()
-            pool = graph.pool()
-            self.graphs[size] = graph
-        for graph in self.graphs.values():  # the first replay uploads a graph: do it here, not mid-run
-            graph.replay()  # all rows are padding: nothing is written to the cache
-        torch.cuda.synchronize(dev)
+            warm_up(dev, step)
+            self.graphs[size], self.outputs[size] = capture(step, pool)
+            pool = self.graphs[size].pool()
+        upload(self.graphs.values(), dev)  # all rows are padding: nothing is written to the cache
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.max_batch and max_blocks <= self.max_blocks

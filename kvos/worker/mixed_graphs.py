@@ -6,6 +6,7 @@ import torch
 
 from kvos.models.attention import AttentionMetadata, KVCache
 from kvos.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from kvos.worker.cuda_graphs import capture, upload, warm_up
 from kvos.worker.triton_attention import TritonBackend
 
 
@@ -61,25 +62,15 @@ class MixedStepGraphs:
         pool = None
         num_pieces = len(model.layers) + 1
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            stream = torch.cuda.Stream(device=dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):  # warm up (kernel compilation, allocator) off the graph
-                for _ in range(2):
-                    for i in range(num_pieces):
-                        self._piece(i, size)
-            torch.cuda.current_stream(dev).wait_stream(stream)
+            warm_up(dev, lambda size=size: [self._piece(i, size) for i in range(num_pieces)])
             graphs = []
             for i in range(num_pieces):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._piece(i, size)
+                graph, out = capture(lambda i=i, size=size: self._piece(i, size), pool)
                 pool = graph.pool()
                 graphs.append(graph)
             self.graphs[size], self.outputs[size] = graphs, out
-        for graphs in self.graphs.values():  # the first replay uploads a graph: do it here, not mid-run
-            for graph in graphs:
-                graph.replay()  # all rows are padding: nothing is written to the cache
-        torch.cuda.synchronize(dev)
+        # all rows are padding: nothing is written to the cache
+        upload((g for graphs in self.graphs.values() for g in graphs), dev)
 
     @staticmethod
     def supports(model: torch.nn.Module, backend: object) -> bool:
