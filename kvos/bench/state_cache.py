@@ -2,13 +2,15 @@
 ``--model bamba-9b --random-weights`` on a GPU): decode and prefill against their roofline, and a
 multi-turn workload's later-turn TTFT with the state restored from the prefix cache vs without.
 
-- **Decode**: ``--batch`` requests of ``--context`` tokens decode ``--decode-tokens`` tokens; each
-  engine step is timed alone (device synchronised before and after), and the decode time per step
-  is the median of the last ``decode_tokens // 2`` steps, all plain decodes of the whole batch (the
-  prompts' chunks run first). (Subtracting a one-token run from the whole run instead folds the
-  prefill's run-to-run variation into the step: at batch 32 it read 37-46 ms for a 16 ms step.) Its
-  floor: weights, plus per sequence its KV context (attention layers) and its state read and
-  written once, over the GPU's measured copy bandwidth (``kvos.bench.roofline``).
+- **Decode**: ``--batch`` requests of ``--context`` tokens decode ``--decode-tokens`` tokens. The
+  step time (``step_s``) is steady state: the wall time of the last ``decode_tokens // 2`` tokens
+  over their count, the device synchronised only where that window opens and closes, so the
+  host's work for a step overlaps the device's previous step as in any run. ``step_alone_s``:
+  the median of the same steps each timed alone (device synchronised before and after: host and
+  device in series). (Subtracting a one-token run from the whole run instead folds the prefill's
+  run-to-run variation into the step: at batch 32 it read 37-46 ms for a 16 ms step.) Its floor:
+  weights, plus per sequence its KV context (attention layers) and its state read and written
+  once, over the GPU's measured copy bandwidth (``kvos.bench.roofline``).
 - **Prefill**: one prompt of ``--prefill`` tokens, one output token: TTFT against ``max(2 x
   params x tokens + attention FLOPs / peak, weights / bandwidth)``.
 - **Multi-turn**: ``--conversations`` chats of ``--turns`` turns; each turn's prompt is the chat so
@@ -75,6 +77,34 @@ def decode_step_s(llm, prompts: list[list[int]], decode_tokens: int) -> float:
     return tail[len(tail) // 2]
 
 
+def decode_steady_s(llm, prompts: list[list[int]], decode_tokens: int) -> float:
+    """Seconds per decode step in steady state: the wall time of the last ``decode_tokens // 2``
+    tokens of ``prompts`` decoding together, over the tokens made in it. The device is
+    synchronised only where the window opens (every request has half its tokens) and closes, so
+    the engine's host work for a step overlaps the previous step on the device (async
+    scheduling), as in any run; the prompts' chunks are done before the window opens."""
+    import torch
+
+    from kvos import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    ids = [f"steady-{len(prompts)}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request({"prompt_token_ids": p}, sp, rid)
+    made = dict.fromkeys(ids, 0)
+    start: tuple[float, int] | None = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            made[o.request_id] = len(o.outputs[0].token_ids)
+        if start is None and min(made.values()) >= decode_tokens // 2:
+            torch.cuda.synchronize()
+            start = time.perf_counter(), made[ids[0]]
+    torch.cuda.synchronize()
+    t0, tokens0 = start
+    return (time.perf_counter() - t0) / (made[ids[0]] - tokens0)
+
+
 def multi_turn(llm, a: argparse.Namespace, vocab: int) -> dict:
     """Later turns' mean TTFT and the tokens they found cached."""
     ttfts, cached, prompt_tokens = [], 0, 0
@@ -126,10 +156,13 @@ def run(a: argparse.Namespace) -> dict:
     for batch in a.batch:
         prompts = _prompts(batch, a.context, vocab, batch)
         llm.reset_prefix_cache()
-        step = decode_step_s(llm, prompts, a.decode_tokens)
+        alone = decode_step_s(llm, prompts, a.decode_tokens)
+        llm.reset_prefix_cache()
+        step = decode_steady_s(llm, prompts, a.decode_tokens)
         floor = (weight_bytes + batch * ((a.context + a.decode_tokens / 2) * kv_per_token + 2 * state)) / bandwidth
         row = {"batch": batch, "context": a.context, "step_s": step, "roofline_step_s": floor,
-               "fraction_of_roofline": floor / step, "output_tok_s": batch / step}
+               "fraction_of_roofline": floor / step, "output_tok_s": batch / step,
+               "step_alone_s": alone, "fraction_of_roofline_step_alone": floor / alone}
         result["decode"].append(row)
         print("decode", json.dumps(row), flush=True)
         out.write_text(json.dumps(result, indent=2))
@@ -151,6 +184,8 @@ def run(a: argparse.Namespace) -> dict:
     mt["ttft_speedup"] = mt["no_prefix_caching"]["later_turn_ttft_s"] / mt["prefix_caching"]["later_turn_ttft_s"]
     result["summary"] = {
         "decode_fraction_of_roofline": {r["batch"]: round(r["fraction_of_roofline"], 3) for r in result["decode"]},
+        "decode_fraction_of_roofline_steps_alone": {r["batch"]: round(r["fraction_of_roofline_step_alone"], 3)
+                                                    for r in result["decode"]},
         "prefill_fraction_of_roofline": round(result["prefill"]["fraction_of_roofline"], 3),
         "later_turn_ttft_speedup": round(mt["ttft_speedup"], 2)}
     out.write_text(json.dumps(result, indent=2))
