@@ -55,17 +55,24 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]
     return time.perf_counter() - t0, outs
 
 
+def _add_decodes(llm, prompts: list[list[int]], decode_tokens: int, tag: str) -> list[str]:
+    """``prompts`` added to the engine, each to decode ``decode_tokens`` greedy tokens; their ids."""
+    from kvos import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    ids = [f"{tag}-{len(prompts)}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        llm.engine.add_request({"prompt_token_ids": p}, sp, rid)
+    return ids
+
+
 def decode_step_s(llm, prompts: list[list[int]], decode_tokens: int) -> float:
     """The median time of the last ``decode_tokens // 2`` engine steps of ``prompts`` decoding
     ``decode_tokens`` tokens together (each step synchronised; see the module's docstring)."""
     import torch
 
-    from kvos import SamplingParams
-
     eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request({"prompt_token_ids": p}, sp, f"decode-{len(prompts)}-{i}")
+    _add_decodes(llm, prompts, decode_tokens, "decode")
     times = []
     while eng.has_unfinished_requests():
         torch.cuda.synchronize()
@@ -85,13 +92,8 @@ def decode_steady_s(llm, prompts: list[list[int]], decode_tokens: int) -> float:
     scheduling), as in any run; the prompts' chunks are done before the window opens."""
     import torch
 
-    from kvos import SamplingParams
-
     eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
-    ids = [f"steady-{len(prompts)}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        eng.add_request({"prompt_token_ids": p}, sp, rid)
+    ids = _add_decodes(llm, prompts, decode_tokens, "steady")
     made = dict.fromkeys(ids, 0)
     start: tuple[float, int] | None = None
     while eng.has_unfinished_requests():
