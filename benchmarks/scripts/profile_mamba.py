@@ -14,8 +14,11 @@ p = argparse.ArgumentParser()
 p.add_argument("--model", default="bamba-9b")
 p.add_argument("--prefill", type=int, default=8192)
 p.add_argument("--rows", type=int, default=14)
+p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+p.add_argument("--prefill-only", action="store_true")
 a = p.parse_args()
-llm = LLM(model=a.model, random_weights=True, device="cuda", enforce_eager=True, max_num_batched_tokens=2048)
+llm = LLM(model=a.model, random_weights=True, device="cuda", enforce_eager=True,
+          max_num_batched_tokens=a.max_num_batched_tokens)
 eng = llm.engine
 rng = random.Random(0)
 
@@ -45,7 +48,7 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
     llm.generate([prompt(a.prefill)], sp, use_tqdm=False)
     torch.cuda.synchronize()
 show(f"prefill {a.prefill} (whole)", prof, 1)
-for batch in (1, 32):
+for batch in () if a.prefill_only else (1, 32):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i in range(batch):
         eng.add_request(prompt(1024), sp, f"d{batch}-{i}")

@@ -108,9 +108,17 @@ def decode_steady_s(llm, prompts: list[list[int]], decode_tokens: int) -> float:
 
 
 def multi_turn(llm, a: argparse.Namespace, vocab: int) -> dict:
-    """Later turns' mean TTFT and the tokens they found cached."""
+    """Later turns' mean TTFT and the tokens they found cached, after one untimed chat of other
+    tokens and the same lengths (on a fresh machine the kernels compile there, not in a turn)."""
+    _chats(llm, a, vocab, range(-1, 0))
+    llm.reset_prefix_cache()
+    return _chats(llm, a, vocab, range(a.conversations))
+
+
+def _chats(llm, a: argparse.Namespace, vocab: int, ids: range) -> dict:
+    """The chats numbered ``ids``, one after another: their later turns' mean TTFT and cached share."""
     ttfts, cached, prompt_tokens = [], 0, 0
-    for c in range(a.conversations):
+    for c in ids:
         chat = _prompts(1, a.first_tokens, vocab, 100 + c)[0]
         for turn in range(a.turns):
             _, outs = _timed(llm, [chat], a.answer_tokens)

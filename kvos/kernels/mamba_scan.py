@@ -18,7 +18,9 @@ Per chunk and head, with ``cs`` the running sum of ``dt A`` inside the chunk:
    dt_s x_s + D x_t``.
 
 Float32 throughout, but for the matrix products' operands: bfloat16 (float32 sums) unless
-``exact`` (float32 models: IEEE float32, the CPU path's precision). Safety: the blocks named
+``exact`` (float32 models: IEEE float32, the CPU path's precision); unless exact, x, B and C
+may come in bfloat16 (the convolution's output, as transformers' and mamba_ssm's), which halves
+their reads and lets the products' operands go to shared memory without a conversion. Safety: the blocks named
 must be referenced for the whole step and no two sequences may write the same block
 (``StateMetadata``'s rule); a sequence's read block may be one of its save blocks (each program
 reads its tile of the state before writing it). No host synchronisation beyond building the
@@ -161,9 +163,9 @@ def _chunk_state_kernel(
     P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BP: tl.constexpr,
     BN: tl.constexpr, EXACT: tl.constexpr,
 ):
-    c = tl.program_id(0)
+    nb = tl.program_id(0)  # fastest: the programs sharing a chunk's x run together (L2)
     h = tl.program_id(1)
-    nb = tl.program_id(2)
+    c = tl.program_id(2)
     start = tl.load(start_ptr + c)
     length = tl.load(len_ptr + c)
     a = tl.load(a_ptr + h)
@@ -179,7 +181,7 @@ def _chunk_state_kernel(
         w = tl.where(tm, dt * tl.exp(total - cs), 0.0)
         rows = (start + t).to(tl.int64)
         x = tl.load(x_ptr + rows[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None] & (p < P)[None, :],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         b = tl.load(b_ptr + rows[:, None] * sb_t + g * sb_g + n[None, :], mask=tm[:, None] & (n < N)[None, :],
                     other=0.0)
         acc = _dot(tl.trans(x * w[:, None]), b, acc, EXACT)  # [BP, BN]
@@ -207,7 +209,7 @@ def _state_pass_kernel(
     while c < first + count:  # a while loop: the interpreter cannot range over a loaded count
         at = st_ptr + (c * H + h) * PN + e
         own = tl.load(at, mask=em, other=0.0)
-        tl.store(prev_ptr + (c * H + h) * PN + e, state, mask=em)
+        tl.store(prev_ptr + (c * H + h) * PN + e, state.to(prev_ptr.dtype.element_ty), mask=em)
         state = tl.exp(tl.load(decay_ptr + c * H + h)) * state + own
         save = tl.load(save_ptr + c).to(tl.int64)
         tl.store(ssm_ptr + tl.maximum(save, 0) * s_blk + h * s_head + e, state, mask=em & (save >= 0))
@@ -221,9 +223,9 @@ def _chunk_scan_kernel(
     P: tl.constexpr, N: tl.constexpr, L: tl.constexpr, TB: tl.constexpr, BP: tl.constexpr,
     BN: tl.constexpr, EXACT: tl.constexpr,
 ):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    m = tl.program_id(2) * TB  # the first of this program's rows in the chunk
+    m = tl.program_id(0) * TB  # the first of this program's rows in the chunk; fastest: the
+    h = tl.program_id(1)       # programs reading a chunk's entering state run together (L2)
+    c = tl.program_id(2)
     start = tl.load(start_ptr + c)
     length = tl.load(len_ptr + c)
     a = tl.load(a_ptr + h)
@@ -256,7 +258,7 @@ def _chunk_scan_kernel(
         acc = _dot(scores * dt_s[None, :], xs, acc, EXACT)
         j += TB
     x = tl.load(x_ptr + rows[:, None] * sx_t + h * sx_h + p[None, :], mask=tm[:, None] & pm[None, :], other=0.0)
-    acc += tl.load(d_ptr + h) * x
+    acc += tl.load(d_ptr + h) * x.to(tl.float32)
     tl.store(y_ptr + rows[:, None] * sy_t + h * sy_h + p[None, :], acc, mask=tm[:, None] & pm[None, :])
 
 
@@ -265,11 +267,13 @@ def chunked_scan(chunks: ScanChunks, x: torch.Tensor, dt: torch.Tensor, A: torch
                  chunk: int = CHUNK, tile: int = TILE) -> None:
     """The scan of ``chunks`` (built with the same ``chunk``, a multiple of ``tile``): x ``[T, H,
     P]``, dt ``[T, H]`` (after softplus), A/D ``[H]``, B and C ``[T, G, N]`` (heads share their
-    group's), all float32 with unit stride on the last dimension; ssm ``[blocks, H, P, N]``
-    (contiguous per head): read at each sequence's read block, written at its save blocks; y
-    ``[T, H, P]`` written (without the gate)."""
+    group's), with unit stride on the last dimension; dt, A, D float32, x, B and C float32 or,
+    unless ``exact``, bfloat16 (the products' operands are rounded to it anyway); ssm ``[blocks,
+    H, P, N]`` (contiguous per head): read at each sequence's read block, written at its save
+    blocks; y ``[T, H, P]`` float32, written (without the gate)."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
+    assert not exact or x.dtype == B.dtype == C.dtype == torch.float32, "exact needs float32 x, B and C"
     assert ssm.stride(3) == 1 and ssm.stride(2) == N and x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1
     assert y.stride(2) == 1 and dt.stride(1) == 1 and H % G == 0 and chunk % tile == 0 and tile >= 16
     nc = chunks.num_chunks
@@ -285,16 +289,18 @@ def chunked_scan(chunks: ScanChunks, x: torch.Tensor, dt: torch.Tensor, A: torch
         B, C, chunks.start, chunks.length, cb, B.stride(0), B.stride(1), C.stride(0), C.stride(1), G,
         N=N, L=chunk, TB=tile, BN=BN, EXACT=exact, num_warps=4)
     BNS = min(_STATE_BLOCK_N, max(16, triton.next_power_of_2(N)))
-    _chunk_state_kernel[(nc, H, triton.cdiv(N, BNS))](
+    _chunk_state_kernel[(triton.cdiv(N, BNS), H, nc)](
         x, dt, A, B, chunks.start, chunks.length, st, decay,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), H, H // G,
         P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BNS, EXACT=exact, num_warps=_STATE_WARPS,
         num_stages=_STATE_STAGES)
-    prev = torch.empty_like(st)
+    # The state entering each chunk is only a matrix product's operand: bfloat16 unless exact
+    # (the product rounds it to that anyway), half the bytes written and read.
+    prev = torch.empty_like(st, dtype=torch.float32 if exact else torch.bfloat16)
     _state_pass_kernel[(chunks.num_seqs, H, triton.cdiv(P * N, _PASS_BLOCK))](
         st, prev, decay, ssm, chunks.save, chunks.seq_first, chunks.seq_count, chunks.seq_read,
         ssm.stride(0), ssm.stride(1), H, PN=P * N, BLOCK=_PASS_BLOCK, num_warps=_PASS_WARPS)
-    _chunk_scan_kernel[(nc, H, tiles)](
+    _chunk_scan_kernel[(tiles, H, nc)](
         x, dt, A, C, D, chunks.start, chunks.length, prev, cb, y,
         x.stride(0), x.stride(1), dt.stride(0), C.stride(0), C.stride(1), y.stride(0), y.stride(1), H, G, H // G,
         P=P, N=N, L=chunk, TB=tile, BP=BP, BN=BN, EXACT=exact, num_warps=_SCAN_WARPS,
@@ -356,7 +362,8 @@ def _conv_prefill_kernel(
         acc += v * tl.load(w_ptr + ch * sw_c + k, mask=cm, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + ch, mask=cm, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * so_t + ch[None, :], acc * tl.sigmoid(acc), mask=rm[:, None] & cm[None, :])
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * so_t + ch[None, :], (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty),
+             mask=rm[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -382,16 +389,16 @@ def _conv_save_kernel(
 
 
 def conv_prefill(rows: ConvRows, x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+                 bias: torch.Tensor | None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """SiLU of the causal convolution of the prefill rows x ``[T, conv_dim]`` (any float dtype,
     unit stride on channels), each sequence continuing from its read block's window in conv
     ``[blocks, conv_dim, W]`` (float32, unit stride on W); weight ``[conv_dim, 1, W + 1]``. Writes
     the window at each save point into its block (after every read: a save may name the read
-    block). Returns ``[T, conv_dim]`` float32."""
+    block). Returns ``[T, conv_dim]`` in ``out_dtype`` (summed in float32)."""
     T, conv_dim = x.shape
     W = conv.shape[2]
     assert conv.stride(2) == 1 and x.stride(1) == 1 and weight.stride(2) == 1
-    out = torch.empty(T, conv_dim, dtype=torch.float32, device=x.device)
+    out = torch.empty(T, conv_dim, dtype=out_dtype, device=x.device)
     b = bias if bias is not None else weight
     _conv_prefill_kernel[(triton.cdiv(T, _CONV_ROWS), triton.cdiv(conv_dim, _CONV_CHANNELS))](
         x, conv, rows.seq_row, rows.read, weight, b, out, T, conv_dim, x.stride(0), conv.stride(0), conv.stride(1),

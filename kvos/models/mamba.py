@@ -165,7 +165,7 @@ class Mamba2Mixer(nn.Module):
         s = self.s
         nd = meta.num_decodes
         conv = conv_prefill(meta.prefill_conv_rows(xbc.device), xbc[nd:], cache.conv, self.conv1d.weight,
-                            self.conv1d.bias)
+                            self.conv1d.bias, torch.float32 if exact else torch.bfloat16)
         n, gn = conv.shape[0], s.groups * s.state_size
         xs = conv[:, :s.intermediate].view(n, s.num_heads, s.head_dim)
         B = conv[:, s.intermediate: s.intermediate + gn].view(n, s.groups, s.state_size)

@@ -78,6 +78,44 @@ def test_chunked_scan_matches_the_torch_form():
     assert torch.equal(pool_d[:, 0].cpu(), pool[:, 0])  # the other layer's slot of each page
 
 
+@pytest.mark.skipif(not CUDA, reason="the triton interpreter's bfloat16 products are wrong (garbage even "
+                                       "on float32 inputs), so the bfloat16 path is checked on a GPU only")
+def test_bfloat16_inputs_scan_as_their_float32_values():
+    """Unless exact, the products round x, B, C and the state entering each chunk to bfloat16:
+    x, B and C given in bfloat16 (the convolution's output on bf16 models) give the result of
+    their float32 values (up to the order of float32 sums), within bfloat16's rounding of the
+    float32 torch form."""
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(3)
+    H, G, P, N, chunk, tile = 4, 2, 16, 16, 32, 16
+    seqs = [SeqStates(0, 45, -1, [(16, 1), (45, 2)]), SeqStates(45, 20, 4, [(20, 3)])]
+    T = 65
+    x, dt = torch.randn(T, H, P, generator=g).bfloat16(), torch.rand(T, H, generator=g) * 0.5
+    A, D = -torch.rand(H, generator=g) - 0.1, torch.randn(H, generator=g)
+    B, C = torch.randn(T, G, N, generator=g).bfloat16(), torch.randn(T, G, N, generator=g).bfloat16()
+    ssm0 = torch.randn(5, H, P, N, generator=g)
+    outs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        ssm, y = ssm0.to(dev), torch.empty(T, H, P, device=dev)
+        chunked_scan(scan_chunks(seqs, 0, torch.device(dev), chunk=chunk), x.to(dev, dtype), dt.to(dev),
+                     A.to(dev), B.to(dev, dtype), C.to(dev, dtype), D.to(dev), ssm, y, chunk=chunk, tile=tile)
+        outs.append((y.cpu(), ssm.cpu()))
+    for got, want in zip(outs[0], outs[1]):  # the products' code differs: equal up to float32 sums
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
+    ref = torch.empty(T, H, P)
+    Bh, Ch = B.float().repeat_interleave(H // G, dim=1), C.float().repeat_interleave(H // G, dim=1)
+    for q in seqs:
+        h = ssm0[q.read_block].clone() if q.read_block >= 0 else torch.zeros(H, P, N)
+        a = 0
+        for b, block in q.saves:
+            r = slice(q.row + a, q.row + b)
+            out, h = ssd_chunk(x[r].float(), dt[r], A, Bh[r], Ch[r], h)
+            ref[r] = out + D[:, None] * x[r].float()
+            assert (outs[0][1][block] - h).abs().max() < 2e-2 * h.abs().max(), block
+            a = b
+    assert (outs[0][0] - ref).abs().max() < 2e-2 * ref.abs().max()
+
+
 def test_conv_prefill_matches_the_torch_form():
     dev = "cuda" if CUDA else "cpu"
     g = torch.Generator().manual_seed(1)
@@ -89,6 +127,7 @@ def test_conv_prefill_matches_the_torch_form():
     x = torch.randn(T, 2 * conv_dim, generator=g).to(torch.bfloat16)[:, :conv_dim]  # a view of a projection
     weight, bias = torch.randn(conv_dim, 1, W + 1, generator=g), torch.randn(conv_dim, generator=g)
     pool = torch.randn(blocks, 2, conv_dim, W, generator=g)
+    fresh = pool.clone()  # pool itself is written (on the CPU, pool.to(dev) is pool)
     before = pool[:, 0].clone()
     ref, windows = torch.empty(T, conv_dim), {}
     for q in seqs:
@@ -101,6 +140,13 @@ def test_conv_prefill_matches_the_torch_form():
     pool_d = pool.to(dev)
     got = conv_prefill(conv_rows(seqs, 0, torch.device(dev)), x.to(dev), pool_d[:, 0], weight.to(dev), bias.to(dev))
     assert torch.allclose(got.cpu(), ref, atol=1e-5, rtol=1e-5)
+    half = conv_prefill(conv_rows(seqs, 0, torch.device(dev)), x.to(dev), fresh.to(dev)[:, 0], weight.to(dev),
+                        bias.to(dev), torch.bfloat16)  # the scan's input on bf16 models: the same sums, rounded once
+    assert half.dtype == torch.bfloat16
+    if CUDA:
+        assert torch.equal(half, got.to(torch.bfloat16))
+    else:  # the interpreter rounds to bfloat16 toward zero
+        assert torch.allclose(half.float(), got, rtol=2 ** -6, atol=0)
     for block in range(blocks):
         assert torch.equal(pool_d[block, 0].cpu(), windows.get(block, before[block])), block
     assert torch.equal(pool_d[:, 1].cpu(), pool[:, 1])
