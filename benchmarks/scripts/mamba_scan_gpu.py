@@ -1,7 +1,8 @@
 """The chunked prefill scan (``kvos.kernels.mamba_scan``) on a GPU at Bamba-9B's layer shape
 (128 heads x 64, one group of state 256), one 2,048-token sequence from zeros with a save every
 256 tokens: time per call for chunk sizes 128 and 256, its bytes over the measured copy bandwidth,
-and the difference from the torch form (``ssd_chunk`` per 256-token piece)."""
+and the difference from the torch form (``ssd_chunk`` per 256-token piece); then x, B and C in
+bfloat16 (as the convolution gives them on bf16 models)."""
 import sys
 
 import torch
@@ -62,6 +63,10 @@ for chunk in [int(c) for c in (sys.argv[1:] or [128, 256])]:
 
 chunks = mamba_scan.scan_chunks([seq], 0, torch.device(dev))
 y = torch.empty(T, H, P, device=dev)
+xb, Bb, Cb = x.bfloat16(), B.bfloat16(), C.bfloat16()  # the convolution's output on bf16 models
+ms = timed(lambda: mamba_scan.chunked_scan(chunks, xb, dt, A, Bb, Cb, D, ssm, y))
+print(f"chunk 256, x/B/C in bfloat16: {ms:.3f} ms/call, max err {((y - ref).abs().max() / ref.abs().max()).item():.2e} "
+      "of max |y| (float32 inputs' torch form)")
 for bn, sw, cw in [(64, 4, 4), (128, 8, 4), (256, 8, 4), (64, 4, 8), (128, 4, 8), (256, 8, 8)]:
     mamba_scan._STATE_BLOCK_N, mamba_scan._STATE_WARPS, mamba_scan._SCAN_WARPS = bn, sw, cw
     try:

@@ -130,7 +130,7 @@ def _chats(llm, a: argparse.Namespace, vocab: int, ids: range) -> dict:
                 prompt_tokens += len(chat)
             chat = chat + list(o.outputs[0].token_ids) + _prompts(1, a.user_tokens, vocab, 1000 * c + turn)[0]
     return {"later_turn_ttft_s": sum(ttfts) / len(ttfts), "later_turns": len(ttfts),
-            "cached_token_share": cached / prompt_tokens}
+            "cached_token_share": cached / prompt_tokens, "later_turn_ttfts_s": [round(t, 5) for t in ttfts]}
 
 
 def run(a: argparse.Namespace) -> dict:

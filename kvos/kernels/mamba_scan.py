@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvos.kernels.mamba_update import softplus
+
 CHUNK = 256
 """Tokens per chunk (a multiple of ``TILE``): the states between chunks are the scan's memory
 traffic (one ``[H, P, N]`` float32 state per chunk, written and read twice), the quadratic part
@@ -307,6 +309,29 @@ def chunked_scan(chunks: ScanChunks, x: torch.Tensor, dt: torch.Tensor, A: torch
         num_stages=_SCAN_STAGES)
 
 
+@triton.jit
+def _prefill_dt_kernel(raw_ptr, bias_ptr, out_ptr, T, H, s_raw, lo, hi, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < T * H
+    t, h = i // H, i % H
+    v = tl.load(raw_ptr + t.to(tl.int64) * s_raw + h, mask=m, other=0.0).to(tl.float32)
+    v += tl.load(bias_ptr + h, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, tl.minimum(tl.maximum(softplus(v), lo), hi), mask=m)
+
+
+def prefill_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_range: tuple[float, float]) -> torch.Tensor:
+    """The prefill rows' discretisation steps ``clamp(softplus(dt_raw + dt_bias), *dt_range)`` in
+    one kernel (torch's form is five): dt_raw ``[T, H]`` (any float dtype, unit stride on heads),
+    dt_bias ``[H]``; returns ``[T, H]`` float32, contiguous."""
+    T, H = dt_raw.shape
+    assert dt_raw.stride(1) == 1 and dt_bias.is_contiguous()
+    out = torch.empty(T, H, dtype=torch.float32, device=dt_raw.device)
+    if T:
+        _prefill_dt_kernel[(triton.cdiv(T * H, 1024),)](dt_raw, dt_bias, out, T, H, dt_raw.stride(0),
+                                                        float(dt_range[0]), float(dt_range[1]), BLOCK=1024)
+    return out
+
+
 @dataclass
 class ConvRows:
     """The prefill rows' causal-convolution table on the device: per row, the row of its
@@ -362,8 +387,8 @@ def _conv_prefill_kernel(
         acc += v * tl.load(w_ptr + ch * sw_c + k, mask=cm, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + ch, mask=cm, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * so_t + ch[None, :], (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty),
-             mask=rm[:, None] & cm[None, :])
+    out = (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * so_t + ch[None, :], out, mask=rm[:, None] & cm[None, :])
 
 
 @triton.jit

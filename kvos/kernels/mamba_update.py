@@ -77,7 +77,7 @@ def conv_decode(conv: torch.Tensor, reads: torch.Tensor, writes: torch.Tensor, k
 
 
 @triton.jit
-def _softplus(x):
+def softplus(x):
     """torch's softplus (threshold 20): ``log1p(exp(x))``, x itself above 20 (log1p's series
     where ``1 + e`` would round to 1)."""
     e = tl.exp(tl.minimum(x, 20.0))
@@ -104,7 +104,7 @@ def _ssm_decode_kernel(
     keep = tl.load(keep_ptr + i)
     valid = tl.load(valid_ptr + i)
     dt = tl.load(dt_ptr + i * sdt_n + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    dt = tl.minimum(tl.maximum(_softplus(dt), dt_min), dt_max)
+    dt = tl.minimum(tl.maximum(softplus(dt), dt_min), dt_max)
     a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     x = tl.load(x_ptr + i * sx_n + h * sx_h + p, mask=pmask, other=0.0)
     b = tl.load(b_ptr + i * sb_n + g * sb_g + k)

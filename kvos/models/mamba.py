@@ -58,8 +58,7 @@ class Mamba2Mixer(nn.Module):
             if nd:
                 self._decode_kernels(xbc[:nd], dt_raw[:nd], cache, meta, y[:nd])
             if nd < x.shape[0]:  # the decode kernel applies dt's bias and softplus itself
-                self._prefill_kernels(xbc, self._dt(dt_raw[nd:]), -torch.exp(self.A_log.float()), cache, meta, y,
-                                      exact=x.dtype == torch.float32)
+                self._prefill_kernels(xbc, dt_raw[nd:], cache, meta, y, exact=x.dtype == torch.float32)
             return self.out_proj(gated_rms_norm(y, z, self.norm.weight, s.groups, s.norm_eps, x.dtype))
         dt, A = self._dt(dt_raw), -torch.exp(self.A_log.float())
         if nd:
@@ -157,20 +156,34 @@ class Mamba2Mixer(nn.Module):
             a = b
             cache.ssm[block] = h.to(cache.ssm.dtype)
 
-    def _prefill_kernels(self, xbc, dt, A, cache: StateCache, meta: StateMetadata, y, exact: bool) -> None:
+    def _scan_constants(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``A = -exp(A_log)``, ``D`` and ``dt_bias`` in float32, computed once and again only
+        after a parameter changes in place (a weight load bumps its version): three fewer
+        launches per layer and step, where short prefills are bound by the host's launches."""
+        key = tuple((p.data_ptr(), p._version) for p in (self.A_log, self.D, self.dt_bias))
+        if getattr(self, "_constants_key", None) != key:
+            self._constants = (-torch.exp(self.A_log.detach().float()), self.D.detach().float().contiguous(),
+                               self.dt_bias.detach().float().contiguous())
+            self._constants_key = key
+        return self._constants
+
+    def _prefill_kernels(self, xbc, dt_raw, cache: StateCache, meta: StateMetadata, y, exact: bool) -> None:
         """Every prefill sequence of the step: one convolution and one chunked scan over all of
-        them (``kvos.kernels.mamba_scan``); ``dt``: the prefill rows' steps."""
-        from kvos.kernels.mamba_scan import chunked_scan, conv_prefill
+        them (``kvos.kernels.mamba_scan``); ``dt_raw``: the prefill rows' steps before their bias
+        and softplus."""
+        from kvos.kernels.mamba_scan import chunked_scan, conv_prefill, prefill_dt
 
         s = self.s
         nd = meta.num_decodes
+        A, D, dt_bias = self._scan_constants()
+        dt = prefill_dt(dt_raw, dt_bias, (s.dt_min, s.dt_max))
         conv = conv_prefill(meta.prefill_conv_rows(xbc.device), xbc[nd:], cache.conv, self.conv1d.weight,
                             self.conv1d.bias, torch.float32 if exact else torch.bfloat16)
         n, gn = conv.shape[0], s.groups * s.state_size
         xs = conv[:, :s.intermediate].view(n, s.num_heads, s.head_dim)
         B = conv[:, s.intermediate: s.intermediate + gn].view(n, s.groups, s.state_size)
         C = conv[:, s.intermediate + gn:].view(n, s.groups, s.state_size)
-        chunked_scan(meta.prefill_chunks(xbc.device), xs, dt, A, B, C, self.D.float(), cache.ssm,
+        chunked_scan(meta.prefill_chunks(xbc.device), xs, dt, A, B, C, D, cache.ssm,
                      y[nd:].view(n, s.num_heads, s.head_dim), exact=exact)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

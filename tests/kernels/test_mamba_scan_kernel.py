@@ -23,17 +23,19 @@ from kvos.kernels.mamba_scan import (  # noqa: E402
     _chunk_state_kernel,
     _conv_prefill_kernel,
     _conv_save_kernel,
+    _prefill_dt_kernel,
     _state_pass_kernel,
     chunked_scan,
     conv_prefill,
     conv_rows,
+    prefill_dt,
     scan_chunks,
 )
 from kvos.models.mamba import ssd_chunk  # noqa: E402
 from kvos.models.state import SeqStates  # noqa: E402
 
 skip_unless_interpreted(_chunk_cb_kernel, _chunk_state_kernel, _state_pass_kernel, _chunk_scan_kernel,
-                        _conv_prefill_kernel, _conv_save_kernel)
+                        _conv_prefill_kernel, _conv_save_kernel, _prefill_dt_kernel)
 pytestmark = pytest.mark.gpu
 
 
@@ -150,3 +152,20 @@ def test_conv_prefill_matches_the_torch_form():
     for block in range(blocks):
         assert torch.equal(pool_d[block, 0].cpu(), windows.get(block, before[block])), block
     assert torch.equal(pool_d[:, 1].cpu(), pool[:, 1])
+
+
+def test_prefill_dt_is_the_mixers_torch_form():
+    """One kernel for ``clamp(softplus(dt_raw + dt_bias))`` on a bf16 view of the projection
+    (row stride of the projection): torch's values, past softplus' threshold (20) and far below 0,
+    inside and outside the clamp."""
+    dev = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(4)
+    T, H = 37, 24
+    proj = (torch.randn(T, 3 * H, generator=g) * 12).to(torch.bfloat16)
+    raw, bias = proj[:, H: 2 * H], torch.randn(H, generator=g)
+    for lo, hi in ((0.0, float("inf")), (1e-3, 5.0)):
+        want = torch.nn.functional.softplus(raw.float() + bias).clamp(lo, hi)
+        got = prefill_dt(raw.to(dev), bias.to(dev), (lo, hi)).cpu()
+        assert got.dtype == torch.float32 and got.shape == (T, H)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert (raw.float() + bias).max() > 20 and (raw.float() + bias).min() < -20

@@ -177,3 +177,23 @@ def test_graph_state_metadata_matches_the_step_description_and_pads_safely():
     assert torch.allclose(graph.conv, eager.conv, atol=1e-6) and torch.allclose(graph.ssm, eager.ssm, atol=1e-6)
     untouched = [0, 1, 2, 4]  # the padding row's stale blocks 5, 6, 7 are real rows' or unwritten
     assert torch.equal(graph.ssm[untouched], before.ssm[untouched])
+
+
+def test_scan_constants_follow_an_in_place_weight_load():
+    """The GPU prefill's float32 ``A = -exp(A_log)``, ``D`` and ``dt_bias`` are computed once per
+    parameter version: a weight loaded in place afterwards gives the new values."""
+    from kvos.models.config import MambaShape
+    from kvos.models.mamba import Mamba2Mixer
+
+    shape = MambaShape(num_heads=4, head_dim=4, state_size=8, groups=1, conv_kernel=4)
+    mixer = Mamba2Mixer(16, shape).to(torch.bfloat16)
+    A, D, bias = mixer._scan_constants()
+    assert mixer._scan_constants()[0] is A  # cached
+    with torch.no_grad():
+        mixer.A_log.copy_(torch.arange(4.0))
+        mixer.D.copy_(torch.full((4,), 2.0))
+        mixer.dt_bias.copy_(torch.full((4,), -1.0))
+    A, D, bias = mixer._scan_constants()
+    assert A.dtype == D.dtype == bias.dtype == torch.float32
+    assert torch.equal(A, -torch.exp(torch.arange(4.0))) and torch.equal(D, torch.full((4,), 2.0))
+    assert torch.equal(bias, torch.full((4,), -1.0))
