@@ -20,8 +20,8 @@ Per chunk and head, with ``cs`` the running sum of ``dt A`` inside the chunk:
 Float32 throughout, but for the matrix products' operands: bfloat16 (float32 sums) unless
 ``exact`` (float32 models: IEEE float32, the CPU path's precision); unless exact, x, B and C
 may come in bfloat16 (the convolution's output, as transformers' and mamba_ssm's), which halves
-their reads and lets the products' operands go to shared memory without a conversion. Safety: the blocks named
-must be referenced for the whole step and no two sequences may write the same block
+their reads and lets the products' operands go to shared memory without a conversion. Safety:
+the blocks named must be referenced for the whole step and no two sequences may write the same block
 (``StateMetadata``'s rule); a sequence's read block may be one of its save blocks (each program
 reads its tile of the state before writing it). No host synchronisation beyond building the
 chunk table from host lists.
