@@ -56,31 +56,27 @@ def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATE
     CANDIDATES)``, j < CANDIDATES, keep the one whose dequantized row has the least squared error
     (float64 sum; ties: the smallest j), store it at ``scale_ptr`` (where ``mask_row``) and return
     the row's e4m3fn bytes (int32, sign in bit 7) for a uint8 view of the cache. x: the row in
-    fp32, zero where masked. Divisions are correctly rounded (``div_rn``) as torch's are on CPU,
-    and the rounding is exact (``_round_e4m3``), so scales and bytes match ``quantize`` bit for
-    bit; the error sums may differ from torch's in the last bits (another summation order), which
-    can only matter where two candidates' errors tie to within float64 rounding."""
+    fp32, zero where masked. Every candidate is tried at once, as a ``[CANDIDATES, len(x)]`` tile
+    (the search's latency is one candidate's, not sixteen in a row). Divisions are correctly
+    rounded (``div_rn``) as torch's are on CPU, and the rounding is exact (``_round_e4m3``), so
+    scales and bytes match ``quantize`` bit for bit; the error sums may differ from torch's in the
+    last bits (another summation order), which can only matter where two candidates' errors tie
+    to within float64 rounding."""
     base = tl.div_rn(tl.max(tl.abs(x), 0), 448.0)
-    xd = x.to(tl.float64)
-    for j in tl.static_range(CANDIDATES):
-        s = base * (1.0 + j / CANDIDATES)
-        y = tl.div_rn(x, tl.maximum(s, MIN_SCALE))
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        val, code = _round_e4m3(y)
-        negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too, as torch's cast
-        val = tl.where(negative, -val, val)
-        code = tl.where(negative, code + 128, code)
-        d = val.to(tl.float64) * s.to(tl.float64) - xd
-        err = tl.sum(d * d, 0)
-        if j == 0:
-            best_err, best_s, best_code = err, s, code
-        else:
-            better = err < best_err
-            best_err = tl.where(better, err, best_err)
-            best_s = tl.where(better, s, best_s)
-            best_code = tl.where(better, code, best_code)
-    tl.store(scale_ptr, best_s, mask=mask_row)
-    return best_code
+    j = tl.arange(0, CANDIDATES)
+    s = base * (1.0 + j.to(tl.float32) / CANDIDATES)  # exact: j / CANDIDATES is a power-of-two fraction
+    y = tl.div_rn(x[None, :], tl.maximum(s, MIN_SCALE)[:, None])
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    val, code = _round_e4m3(y)
+    negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too, as torch's cast
+    val = tl.where(negative, -val, val)
+    code = tl.where(negative, code + 128, code)
+    d = val.to(tl.float64) * s.to(tl.float64)[:, None] - x.to(tl.float64)[None, :]
+    err = tl.sum(d * d, 1)
+    best = tl.argmin(err, 0, tie_break_left=True)
+    chosen = j == best
+    tl.store(scale_ptr, tl.sum(tl.where(chosen, s, 0.0), 0), mask=mask_row)
+    return tl.sum(tl.where(chosen[:, None], code, 0), 0)
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "k_scale_ptr", "v_scale_ptr"])

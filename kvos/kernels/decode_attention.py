@@ -16,6 +16,7 @@ from kvos.kernels.tile_attention import (
     padded_head_dim,
     quantized_dot_flags,
     scale_args,
+    v_pages,
 )
 
 MIN_KEYS_PER_SPLIT = 256
@@ -97,19 +98,24 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
-    DOT_FP16: tl.constexpr, INT8_FP16: tl.constexpr,
+    DOT_FP16: tl.constexpr, INT8_FP16: tl.constexpr, V_PAGES: tl.constexpr,
 ):
     """Program (b, kv head, split): the group's query heads over one slice of the context.
 
     The context is ``lo .. seq_len-1`` with ``lo = 0``, or ``max(0, seq_len - window)`` when
     HAS_WINDOW (sliding window: the last ``window`` keys). It is cut into NUM_SPLITS slices of
     ``cdiv(seq_len - lo, NUM_SPLITS)`` keys rounded up to BLOCK_N, so late splits of a short
-    context are empty; keys below ``lo`` are never read. With one split the result goes straight
+    context are empty; keys below ``lo`` are never read (but for V_PAGES, below). With one split the result goes straight
     to ``out``; otherwise each split writes its normalised partial output and its log2-sum-exp
     (``-inf`` for an empty split) for ``_decode_combine_kernel``.
 
     QUANT: the caches are fp8 / int8 with float32 scales at ``k_scale_ptr`` / ``v_scale_ptr``
     (``attend_key_range`` dequantizes); otherwise those arguments are never read.
+
+    V_PAGES (a token-minor V cache, ``v_pages``): the slices start on block boundaries. With a
+    window they are cut from ``lo`` rounded down to its block, and the keys before ``lo`` in that
+    block are read and hidden (every range masked per row), so they must hold finite values and
+    scales, as every position below a sequence's length does.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -118,8 +124,13 @@ def _decode_split_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = tl.minimum(lo + split * keys_per_split, seq_len)
+    base = lo
+    if V_PAGES:
+        base = lo // BLOCK_SIZE * BLOCK_SIZE
+    # With V_PAGES and a window, keys base .. lo-1 are read: every range masks per row.
+    HIDE: tl.constexpr = HAS_WINDOW and V_PAGES
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = tl.minimum(base + split * keys_per_split, seq_len)
     end = tl.minimum(start + keys_per_split, seq_len)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
 
@@ -136,22 +147,23 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     row_last = tl.full([BLOCK_G], 0, dtype=tl.int32) + (end - 1)
+    row_first = tl.full([BLOCK_G], 0, dtype=tl.int32) + lo
     k_head_ptr = k_cache_ptr + kvh * stride_kh
     v_head_ptr = v_cache_ptr + kvh * stride_vh
     table_ptr = block_tables_ptr + b * stride_tb
     ks_head_ptr = k_scale_ptr + kvh * stride_ksh
     vs_head_ptr = v_scale_ptr + kvh * stride_vsh
-    # Every key of the slice is visible to the query: no lower-bound mask (row_first unused).
+    # Without HIDE every key of the slice is visible to the query: no lower-bound mask.
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, row_last, row_last, start, full_end, k_head_ptr, v_head_ptr, table_ptr,
+        acc, m_i, l_i, q, row_first, row_last, start, full_end, k_head_ptr, v_head_ptr, table_ptr,
         stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
         ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso, scale_log2,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False, QUANT, INT8_FP16)
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, HIDE, HIDE, QUANT, INT8_FP16, V_PAGES)
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, row_last, row_last, full_end, end, k_head_ptr, v_head_ptr, table_ptr,
+        acc, m_i, l_i, q, row_first, row_last, full_end, end, k_head_ptr, v_head_ptr, table_ptr,
         stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
         ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso, scale_log2,
-        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, False, QUANT, INT8_FP16)
+        BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, HIDE, QUANT, INT8_FP16, V_PAGES)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -208,7 +220,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q: ``[B, H, D]`` (any strides), the query of each sequence's last token, whose K/V is already
     in the cache. k_cache, v_cache: ``[num_blocks, block_size, KVH, D]``, same dtype as q (unless
-    quantized: see k_scale), any strides. Query head h reads kv head ``h // (H // KVH)``.
+    quantized: see k_scale), any strides. Query head h reads kv head ``h // (H // KVH)``. A
+    token-minor V cache (``v_cache.stride(1) == 1``, as the engine stores 8-bit caches) is read a
+    block at a time (``tile_attention.v_pages``).
     block_tables: ``[B, max_blocks]`` int32/int64; entries past a sequence's last block are never
     read. seq_lens: ``[B]`` int, tokens including the new one; sequence b attends keys ``lo ..
     seq_lens[b]-1``. A row with seq_len 0 (padding) gets zeros. scale: softmax scale. out:
@@ -217,8 +231,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     window: sliding-window size of this layer, the same for every sequence; None or 0 means full
     causal attention (``lo = 0``). Otherwise ``lo = max(0, seq_len - window)``: the token at
     position ``p = seq_len - 1`` sees keys ``p - window < j <= p`` (Gemma 3 / Mistral sliding
-    window), and only those are read, so table entries of blocks wholly before ``lo`` may be
-    anything (e.g. a null block 0). Passed as a runtime int: every window shares one compiled
+    window), and only those are read (and, for a token-minor V cache, the ones before them in
+    ``lo``'s block), so table entries of blocks wholly before ``lo`` may be anything (e.g. a null
+    block 0). Passed as a runtime int: every window shares one compiled
     variant, and full attention compiles as without the option.
 
     k_scale, v_scale: quantized caches (``kvos.kernels.kv_quant``), both or neither: float32
@@ -280,7 +295,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype),
         HAS_WINDOW=bool(window), QUANT=k_scale is not None, DOT_FP16=dot_fp16, INT8_FP16=int8_fp16,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch,
+        V_PAGES=v_pages(v_cache, tiles.block_n), num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, num_heads)](

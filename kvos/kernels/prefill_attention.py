@@ -14,6 +14,7 @@ from kvos.kernels.tile_attention import (
     padded_head_dim,
     quantized_dot_flags,
     scale_args,
+    v_pages,
 )
 
 
@@ -61,7 +62,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
-    DOT_FP16: tl.constexpr, INT8_FP16: tl.constexpr,
+    DOT_FP16: tl.constexpr, INT8_FP16: tl.constexpr, V_PAGES: tl.constexpr,
 ):
     """Program (query tile, sequence, kv head): BLOCK_Q new tokens x the group's query heads.
 
@@ -77,6 +78,9 @@ def _prefill_kernel(
 
     QUANT: the caches are fp8 / int8 with float32 scales at ``k_scale_ptr`` / ``v_scale_ptr``
     (``attend_key_range`` dequantizes); otherwise those arguments are never read.
+
+    V_PAGES (a token-minor V cache, ``v_pages``): the ranges that start on a multiple of BLOCK_N
+    (all of them without a window; the unmasked one with) read V a block at a time.
     """
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -133,12 +137,14 @@ def _prefill_kernel(
         acc, m_i, l_i, q, row_first, row_last, full_start, full_end, k_head_ptr, v_head_ptr,
         table_ptr, stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
         ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso,
-        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False, QUANT, INT8_FP16)
+        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, False, False, QUANT, INT8_FP16,
+        V_PAGES)
     acc, m_i, l_i = attend_key_range(
         acc, m_i, l_i, q, row_first, row_last, masked_start, end, k_head_ptr, v_head_ptr,
         table_ptr, stride_tn, stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd,
         ks_head_ptr, vs_head_ptr, stride_ksb, stride_kso, stride_vsb, stride_vso,
-        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, HAS_WINDOW, QUANT, INT8_FP16)
+        scale_log2, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION, True, HAS_WINDOW, QUANT, INT8_FP16,
+        V_PAGES and not HAS_WINDOW)
 
     if HAS_WINDOW:
         l_i = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows past q_len may see no key: no 0 / 0
@@ -216,7 +222,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         *scales[2:], group, window or 0,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_N=block_n, BLOCK_D=padded_head_dim(head_dim), HEAD_DIM=head_dim,
-        PRECISION=dot_precision(q.dtype), HAS_WINDOW=bool(window), QUANT=k_scale is not None, DOT_FP16=dot_fp16, INT8_FP16=int8_fp16,
+        PRECISION=dot_precision(q.dtype), HAS_WINDOW=bool(window), QUANT=k_scale is not None,
+        DOT_FP16=dot_fp16, INT8_FP16=int8_fp16, V_PAGES=v_pages(v_cache, block_n),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -86,6 +86,15 @@ V_FOLD: tl.constexpr = tl.constexpr(256.0)
 """Power of two folded into ``p * v_scale`` over a quantized cache (exact; divided out at the end)."""
 
 
+def v_pages(v_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether ``attend_key_range`` can gather V a page at a time (its V_PAGES): the V cache is
+    token-minor (``v_cache.stride(1) == 1``: within a block, one head's rows lie as
+    ``[head_dim, block_size]``, as the engine stores 8-bit caches) and a tile of ``block_n`` keys
+    covers whole blocks. The ranges passed with V_PAGES must start on a block boundary."""
+    block_size = v_cache.shape[1]
+    return block_size > 1 and v_cache.stride(1) == 1 and block_n % block_size == 0
+
+
 def quantized_dot_flags(q: torch.Tensor, k_cache: torch.Tensor, quantized: bool) -> tuple[bool, bool]:
     """(DOT_FP16, INT8_FP16) constexprs of the kernels over an 8-bit cache. DOT_FP16: a 16-bit
     query is clamped to fp16's range and cast to fp16, the dots' operand dtype, because fp8 e4m3
@@ -105,6 +114,37 @@ def int8_to_fp16(x):
 
 
 @triton.jit
+def load_value_pages(v_head_ptr, table_ptr, stride_table, stride_vb, stride_vo, stride_vd, n, first,
+                     end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Values of keys ``n .. n + BLOCK_N - 1`` as ``[BLOCK_N, BLOCK_D]``, gathered as
+    ``BLOCK_N // BLOCK_SIZE`` whole blocks of a token-minor cache (``v_pages``), each block's
+    rows contiguous along the keys, so the loads are vectors. ``n`` must be a multiple of
+    BLOCK_SIZE. MASKED: blocks holding no key of ``first .. end-1`` are not read (nor their table
+    entries); in the blocks that are, the rows outside that range are read (they exist but may
+    hold anything) and set to 0. Columns past HEAD_DIM are 0."""
+    PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    offs_p = tl.arange(0, PAGES)
+    offs_o = tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_d < HEAD_DIM)[None, None, :]
+    page_first = n + offs_p * BLOCK_SIZE
+    if MASKED:
+        used = (page_first < end) & (page_first + BLOCK_SIZE > first)
+        page = tl.load(table_ptr + (n // BLOCK_SIZE + offs_p) * stride_table, mask=used, other=0)
+        mask = mask & used[:, None, None]
+    else:
+        page = tl.load(table_ptr + (n // BLOCK_SIZE + offs_p) * stride_table)
+    v = tl.load(v_head_ptr + (page.to(tl.int64) * stride_vb)[:, None, None]
+                + (offs_o * stride_vo)[None, :, None] + (offs_d * stride_vd)[None, None, :],
+                mask=mask, other=0.0)
+    if MASKED:
+        pos = page_first[:, None] + offs_o[None, :]
+        v = tl.where(((pos >= first) & (pos < end))[:, :, None], v, 0.0)
+    return tl.reshape(v, (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
 def attend_key_range(
     acc, m_i, l_i, q, row_first, row_last, start, end,
     k_head_ptr, v_head_ptr, table_ptr, stride_table,
@@ -114,6 +154,7 @@ def attend_key_range(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
     WINDOWED: tl.constexpr, QUANT: tl.constexpr, INT8_FP16: tl.constexpr = False,
+    V_PAGES: tl.constexpr = False,
 ):
     """Fold keys at positions ``start .. end-1`` of one sequence into the softmax state.
 
@@ -149,10 +190,21 @@ def attend_key_range(
     ``end`` are masked, to 0), so, as without quantization, the rows in range must hold finite
     values and scales: a hidden key's p is 0, but 0 times NaN is NaN. QUANT=False: the scale
     arguments are never read.
+
+    V_PAGES=True (``v_pages``: a token-minor V cache; ``start`` a multiple of BLOCK_SIZE): V is
+    read by ``load_value_pages``, whole blocks at a time, which also spares the P @ V product a
+    transposition (8-bit tiles have no transposing shared-memory load: from the usual layout
+    they are read a byte at a time). The V rows from ``end`` to the end of its block are read
+    and zeroed; with WINDOWED, so are the V rows and V scales of keys before every row's first
+    (hidden keys may then hold anything: NaN keys and key scales only reach their hidden
+    scores); the keys and key scales are read as without it.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    v_first = start  # V rows (and V scales) before it are zeroed (V_PAGES)
+    if V_PAGES and WINDOWED:
+        v_first = tl.min(row_first, 0)
     for n in range(start, end, BLOCK_N):
         pos = n + offs_n
         if MASKED:
@@ -195,12 +247,20 @@ def attend_key_range(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head_ptr + (block * stride_vb + offset * stride_vo)[:, None]
-                    + (offs_d * stride_vd)[None, :], mask=tile_mask, other=0.0)
+        if V_PAGES:
+            v = load_value_pages(v_head_ptr, table_ptr, stride_table, stride_vb, stride_vo,
+                                 stride_vd, n, v_first, end, BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM,
+                                 MASKED)
+        else:
+            v = tl.load(v_head_ptr + (block * stride_vb + offset * stride_vo)[:, None]
+                        + (offs_d * stride_vd)[None, :], mask=tile_mask, other=0.0)
         if QUANT:
             if MASKED:
+                v_used = in_range
+                if V_PAGES and WINDOWED:
+                    v_used = v_used & (pos >= v_first)
                 v_scale = tl.load(v_scale_head_ptr + block * stride_vsb + offset * stride_vso,
-                                  mask=in_range, other=0.0)
+                                  mask=v_used, other=0.0)
             else:
                 v_scale = tl.load(v_scale_head_ptr + block * stride_vsb + offset * stride_vso)
             if INT8_FP16:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import xxhash
 
-KV_LAYOUT_VERSION = "kv-layout-2"
+KV_LAYOUT_VERSION = "kv-layout-3"
 """Bump whenever the bytes of a stored block change meaning (2: the page-major pool, one block
-holding every layer of its group)."""
+holding every layer of its group; 3: 8-bit caches store V token-minor within a block)."""
 
 
 @functools.lru_cache(maxsize=16)

@@ -93,6 +93,16 @@ def zeroed_bytes(n: int, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
 
 
+def token_minor(v: torch.Tensor) -> torch.Tensor:
+    """``v`` ``[blocks, block_size, kv_heads, head_dim]`` (contiguous within a block) viewed over
+    the same bytes as token-minor: within a block, head h's rows lie as ``[head_dim,
+    block_size]`` (``stride(1) == 1``), the layout in which 8-bit attention tiles need no
+    transposition (``kvos.kernels.tile_attention.v_pages``)."""
+    _, bs, kvh, d = v.shape
+    assert v.stride()[1:] == (kvh * d, d, 1), "V must be contiguous within a block"
+    return v.as_strided(v.shape, (v.stride(0), 1, d * bs, bs))
+
+
 class ModelRunner:
     """Executes one scheduled step: copy-on-write copies, the forward pass, sampling.
 
@@ -102,7 +112,8 @@ class ModelRunner:
     block ids of group g index the first dimension, and layer l reads the slot its group gives
     it (``kv_layers[l]``). A quantized group's page holds its float32 scales ``[layer_slots_g, 2,
     kv_heads, block_size]`` after the data (``KVCacheSpec.data_bytes``), so a block's bytes are
-    self-contained.
+    self-contained, and its V is token-minor (``token_minor``): each layer slot's V holds
+    ``[kv_heads, head_dim, block_size]``, which the attention kernels read a block at a time.
     """
 
     def __init__(self, model_path: Path, dtype: torch.dtype, device: torch.device,
@@ -335,7 +346,8 @@ class ModelRunner:
             elif scales is None:
                 kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1]))
             else:
-                kv_layers.append(KVCache(view[:, slot, 0], view[:, slot, 1], scales[:, slot, 0], scales[:, slot, 1]))
+                kv_layers.append(KVCache(view[:, slot, 0], token_minor(view[:, slot, 1]),
+                                         scales[:, slot, 0], scales[:, slot, 1]))
             layer_group.append(g)
         return kv_layers, layer_group
 

@@ -151,10 +151,12 @@ class QuantPaged:
     ``test_kernels.Paged``: K and V (and their scales) are ``[:, layer 1, 0]`` and ``[:, layer 1,
     1]`` of page-major pools ``[blocks, 3, 2, block_size, KVH(, D)]`` (strided views), or
     ``[layer 1, 0]`` / ``[layer 1, 1]`` of ``[2, 2, blocks, ...]`` pools. Every slot holds random
-    data, so reading the wrong key or scale changes the result."""
+    data, so reading the wrong key or scale changes the result. ``token_minor``: V (not its
+    scales) moved to the engine's 8-bit layout, each block's rows of one head ``[D, block_size]``
+    (``v_cache.stride(1) == 1``), same values."""
 
     def __init__(self, seq_lens: list[int], block_size: int, head_dim: int, kv_dtype: str,
-                 gen: torch.Generator, page_major: bool = True):
+                 gen: torch.Generator, page_major: bool = True, token_minor: bool = False):
         self.seq_lens, self.block_size = seq_lens, block_size
         counts = [-(-n // block_size) for n in seq_lens]
         num_blocks = 1 + sum(counts) + 3
@@ -170,6 +172,9 @@ class QuantPaged:
             values, scales = values.to(DEVICE), scales.to(DEVICE)
             self.k_cache, self.v_cache = values[1, 0], values[1, 1]
             self.k_scale, self.v_scale = scales[1, 0], scales[1, 1]
+        if token_minor:
+            self.v_cache = self.v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+            assert self.v_cache.stride(1) == 1
         ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         self.block_tables = torch.zeros(len(seq_lens), max(counts) + 2, dtype=torch.int32)
         for i, n in enumerate(counts):
@@ -199,6 +204,22 @@ class QuantPaged:
             self.k_cache[0].view(torch.uint8).fill_(0x7F)
             self.v_cache[0].view(torch.uint8).fill_(0x7F)
 
+    def poison_unused_rows(self, first_keys: list[int] | None = None) -> None:
+        """Rows a kernel may read but must not use (``load_value_pages``): NaN scales (and fp8
+        NaN values) in every row past a sequence's length in its last block and, with
+        ``first_keys``, before key ``first_keys[s]`` in the block holding it."""
+        bs = self.block_size
+        for s, n in enumerate(self.seq_lens):
+            rows = [(n // bs, slice(n % bs, None))] if n % bs else []
+            if first_keys and first_keys[s] > 0:
+                rows.append((first_keys[s] // bs, slice(0, first_keys[s] % bs)))
+            for index, offsets in rows:
+                block = int(self.full_tables[s, index])
+                for data, scales in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale)):
+                    scales[block, offsets] = float("nan")
+                    if data.dtype == torch.float8_e4m3fn:
+                        data[block, offsets].view(torch.uint8).fill_(0x7F)
+
     def context(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``seq``'s dequantized keys and values in position order, float64."""
         pos = torch.arange(self.seq_lens[seq], device=DEVICE)
@@ -223,14 +244,17 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     if window:
         hidden |= key_pos[None, :] <= q_pos[:, None] - window
     s = s.masked_fill(hidden[None], float("-inf"))
+    v = v.masked_fill(hidden.all(0)[:, None, None], 0.0)  # keys no query sees may hold NaN
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
 
 
 def run_decode(lens, group, head_dim, kv_dtype, q_dtype, seed, num_splits=None, window=None,
-               page_major=True):
+               page_major=True, token_minor=False):
     """(quantized kernel, same kernel on the dequantized caches, float64 reference)."""
     gen = torch.Generator().manual_seed(seed)
-    paged = QuantPaged(lens, 16, head_dim, kv_dtype, gen, page_major=page_major)
+    paged = QuantPaged(lens, 16, head_dim, kv_dtype, gen, page_major=page_major, token_minor=token_minor)
+    if token_minor:
+        paged.poison_unused_rows([n - window for n in lens] if window else None)
     if window:
         paged.drop_blocks_before([n - window for n in lens])
     q = torch.randn(len(lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(DEVICE, q_dtype)
@@ -251,10 +275,14 @@ def run_decode(lens, group, head_dim, kv_dtype, q_dtype, seed, num_splits=None, 
     return out, plain, torch.cat(refs)
 
 
-def run_prefill(seqs, group, head_dim, kv_dtype, q_dtype, seed, window=None, page_major=True):
+def run_prefill(seqs, group, head_dim, kv_dtype, q_dtype, seed, window=None, page_major=True,
+                token_minor=False):
     """seqs: (query length, total length) per sequence. Returns as ``run_decode``."""
     gen = torch.Generator().manual_seed(seed)
-    paged = QuantPaged([n for _, n in seqs], 16, head_dim, kv_dtype, gen, page_major=page_major)
+    paged = QuantPaged([n for _, n in seqs], 16, head_dim, kv_dtype, gen, page_major=page_major,
+                       token_minor=token_minor)
+    if token_minor:
+        paged.poison_unused_rows([n - q_len - window + 1 for q_len, n in seqs] if window else None)
     if window:
         paged.drop_blocks_before([n - q_len - window + 1 for q_len, n in seqs])
     num_heads = NUM_KV_HEADS * group
@@ -314,6 +342,37 @@ def test_prefill_quantized_matches_dequantized(kv_dtype, group, head_dim, window
     seqs = [(1, 1), (1, 35), (16, 16), (17, 17), (15, 47), (20, 60)]
     out, plain, ref = run_prefill(seqs, group, head_dim, kv_dtype, torch.float32,
                                   seed=group * head_dim, window=window, page_major=page_major)
+    assert rel_err(out, plain) <= 2e-6
+    assert rel_err(out, ref) <= 1e-5
+
+
+# The engine's 8-bit layout (V token-minor: read a block at a time): no window, a window ending
+# mid-block (decode reads the hidden keys before it in its block), a padded head_dim.
+TOKEN_MINOR_CASES = [
+    pytest.param(4, 64, None, id="g4-d64"),
+    pytest.param(2, 64, 21, id="g2-d64-w21"),
+    pytest.param(3, 80, None, id="g3-d80"),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("group,head_dim,window", TOKEN_MINOR_CASES)
+def test_token_minor_values_match_the_reference(kv_dtype, group, head_dim, window):
+    """V stored token-minor, gathered whole blocks at a time (``tile_attention.v_pages``), NaN
+    in the rows a kernel reads but must not use (past each sequence's end in its last block,
+    before the window in its first): decode
+    (lengths around block and tile boundaries, three splits, and one split) and a mixed prefill
+    batch equal the same kernels on the dequantized caches in the usual layout to fp32 rounding,
+    and the float64 reference to 1e-5."""
+    for lens, splits in (([1, 17, 40, 70, 200], 3), ([33, 129, 150], 1)):
+        out, plain, ref = run_decode(lens, group, head_dim, kv_dtype, torch.float32,
+                                     seed=group + head_dim, num_splits=splits, window=window,
+                                     token_minor=True)
+        assert rel_err(out, plain) <= 2e-6
+        assert rel_err(out, ref) <= 1e-5
+    seqs = [(1, 1), (1, 35), (16, 16), (17, 17), (15, 47), (20, 60), (70, 150)]
+    out, plain, ref = run_prefill(seqs, group, head_dim, kv_dtype, torch.float32,
+                                  seed=group * head_dim, window=window, token_minor=True)
     assert rel_err(out, plain) <= 2e-6
     assert rel_err(out, ref) <= 1e-5
 
