@@ -42,7 +42,8 @@ class AttentionMetadata:
 
 class KVCache(NamedTuple):
     """One layer's paged K and V: ``k``, ``v`` ``[num_blocks, block_size, kv_heads, head_dim]``
-    (any strides: views into a page-major pool). A quantized cache (fp8 / int8 storage) has
+    (any strides: views into a page-major pool; the engine's 8-bit V is token-minor,
+    ``stride(1) == 1``, which the kernels read a block at a time). A quantized cache (fp8 / int8 storage) has
     float32 scales ``k_scale``, ``v_scale`` ``[num_blocks, block_size, kv_heads]`` beside them
     (``kvos.kernels.kv_quant``); the model's own dtype has none."""
 

@@ -138,13 +138,16 @@ class ModelRunner:
         self.layout: CacheLayout | None = None
         self.kv_buffer: torch.Tensor | None = None
         self.group_caches: list[torch.Tensor] = []
-        """Per cache group: ``[num_blocks, layer_slots, 2, block_size, kv_heads, head_dim]``."""
+        """Per cache group: ``[num_blocks, layer_slots, 2, block_size, kv_heads, head_dim]`` (a
+        quantized group's V slots hold ``[kv_heads, head_dim, block_size]``: read them through
+        ``kv_layers``)."""
         self.group_scales: list[torch.Tensor | None] = []
         """Per quantized cache group: its float32 scales ``[num_blocks, layer_slots, 2, block_size, kv_heads]``."""
         self.group_pages: list[torch.Tensor] = []
         """Per cache group: its blocks as ``uint8 [num_blocks, page_bytes]`` rows (data and scales)."""
         self.kv_layers: list[KVCache] = []
-        """Per model layer: its (K, V) views ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        """Per model layer: its (K, V) views ``[num_blocks, block_size, kv_heads, head_dim]``
+        (V token-minor in quantized groups: ``token_minor``)."""
         self.layer_group: list[int] = []
         self._is_state: list[bool] = []
         """Per cache group: True when it holds Mamba state pages (``StateMetadata``, not attention's)."""
@@ -386,8 +389,9 @@ class ModelRunner:
                     group: int | None = None) -> torch.Tensor:
         """The blocks' bytes as rows of a host ``uint8`` tensor ``[n, block_bytes]`` (each row
         a whole page: ``[num_layers, 2, block_size, kv_heads, head_dim]`` values of the cache
-        dtype, then a quantized cache's scales), pinned when the pool is on a GPU: one gather
-        and one device-to-host copy per ``READ_CHUNK_BYTES``; returns when the copy is complete.
+        dtype, a quantized cache's V token-minor (``token_minor``), then its scales), pinned
+        when the pool is on a GPU: one gather and one device-to-host copy per
+        ``READ_CHUNK_BYTES``; returns when the copy is complete.
         ``digests_out``, when given, is extended with each row's ``block_digests`` value,
         computed on the device. Only valid while the blocks' content is
         what their owner says: call before the blocks are handed to someone else. ``group``: the

@@ -236,6 +236,31 @@ def test_tiers_return_quantized_blocks_only_to_their_own_dtype(make_llm, tmp_pat
     second.engine.offload.close()
 
 
+def element_offsets(view: torch.Tensor) -> torch.Tensor:
+    """The storage offset of every element of ``view``, in its order."""
+    offsets = torch.tensor(view.storage_offset())
+    for size, stride in zip(view.shape, view.stride()):
+        offsets = offsets[..., None] + torch.arange(size) * stride
+    return offsets
+
+
+@pytest.mark.parametrize("kv_dtype", ("auto", *DTYPES))
+def test_value_views_are_token_minor_for_8_bit_caches(quant_llms, kv_dtype):
+    """Each layer's V of one block fills the bytes right after its K, K as ``[block, kv heads,
+    head_dim]``, an 8-bit V as ``[kv heads, head_dim, block]`` (the element at offset o, head h,
+    dimension d at ``(h * head_dim + d) * block + o``), a 16-bit one as K."""
+    runner = quant_llms[kv_dtype].engine.runner
+    for cache in runner.kv_layers[:2]:
+        k, v = element_offsets(cache.k[1]), element_offsets(cache.v[1])
+        bs, kvh, d = cache.k.shape[1:]
+        assert torch.equal(k.flatten(), k.flatten()[0] + torch.arange(bs * kvh * d))
+        v0 = k.flatten()[0] + bs * kvh * d
+        if kv_dtype == "auto":
+            assert torch.equal(v.flatten(), v0 + torch.arange(bs * kvh * d))
+        else:
+            assert torch.equal(v.permute(1, 2, 0).flatten(), v0 + torch.arange(bs * kvh * d))
+
+
 def test_block_rows_of_another_size_are_refused(quant_llms):
     fp8, auto = quant_llms["fp8_e4m3"].engine.runner, quant_llms["auto"].engine.runner
     rows = auto.read_blocks([1])
