@@ -5,36 +5,26 @@ rate. Llama-3.1-8B attention shape, block 16, random tables; prints JSON lines (
 
     python benchmarks/scripts/decode_v_layout.py
 """
-import json, statistics
+import json
+from functools import partial
+
+import gpu_timing
 import torch, triton
 from kvos.kernels import decode_attention as D
 from kvos.kernels.kv_quant import quantize
 
 torch.manual_seed(0)
 dev = "cuda"
+timed = partial(gpu_timing.timed, reps=30)  # the repetitions the saved figures used
 H, KVH, HD, BS = 32, 8, 128, 16
 NB = 36000
 
 
-def timed(fn, reps=30):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
-def copy_rate() -> float:
-    """Bytes per second of a large device copy (read + write counted)."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / timed(lambda: dst.copy_(src), 10) * 1e3
 
 
-bw = copy_rate()
+bw = gpu_timing.copy_rate()
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 vb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 print(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "copy_tb_s": bw / 1e12}), flush=True)

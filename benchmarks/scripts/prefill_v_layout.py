@@ -5,7 +5,10 @@ JSON lines (GPU only).
 
     python benchmarks/scripts/prefill_v_layout.py
 """
-import json, statistics
+import json
+from functools import partial
+
+import gpu_timing
 import torch
 from kvos.kernels import prefill_attention as P
 from kvos.kernels.cache_write import write_kv
@@ -13,19 +16,11 @@ from kvos.kernels.kv_quant import quantize
 
 torch.manual_seed(0)
 dev = "cuda"
+timed = partial(gpu_timing.timed, reps=15, warmup=2)  # the repetitions the saved figures used
 H, KVH, HD, BS = 32, 8, 128, 16
 NB = 20000
 
 
-def timed(fn, reps=15):
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)

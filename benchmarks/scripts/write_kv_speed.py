@@ -3,18 +3,15 @@ fp8 and int8 caches: the quantizing writes' cost over the plain copy. Prints JSO
 
     python benchmarks/scripts/write_kv_speed.py
 """
-import json, statistics
+import json
+from functools import partial
+
+import gpu_timing
 import torch
 from kvos.kernels import cache_write as C
 from kvos.kernels.kv_quant import quantize
 dev = "cuda"; KVH, HD, BS, NB = 8, 128, 16, 4096
-def timed(fn, reps=50):
-    for _ in range(3): fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+timed = partial(gpu_timing.timed, reps=50)  # the repetitions the saved figures used
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 vb = kb.clone()
 caches = {"fp8_e4m3": quantize(kb, "fp8_e4m3"), "int8": quantize(kb, "int8")}
