@@ -8,14 +8,14 @@ rate. Llama-3.1-8B attention shape, block 16, random tables; prints JSON lines (
 import json
 from functools import partial
 
-import gpu_timing
+from kvos.bench.roofline import cuda_median_ms, measure_ceilings
 import torch, triton
 from kvos.kernels import decode_attention as D
 from kvos.kernels.kv_quant import quantize
 
 torch.manual_seed(0)
 dev = "cuda"
-timed = partial(gpu_timing.timed, reps=30)  # the repetitions the saved figures used
+timed = partial(cuda_median_ms, reps=30)
 H, KVH, HD, BS = 32, 8, 128, 16
 NB = 36000
 
@@ -24,7 +24,7 @@ NB = 36000
 
 
 
-bw = gpu_timing.copy_rate()
+bw = measure_ceilings(dev)["hbm_GBps"] * 1e9
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 vb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 print(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "copy_tb_s": bw / 1e12}), flush=True)

@@ -8,7 +8,7 @@ JSON lines (GPU only).
 import json
 from functools import partial
 
-import gpu_timing
+from kvos.bench.roofline import cuda_median_ms
 import torch
 from kvos.kernels import prefill_attention as P
 from kvos.kernels.cache_write import write_kv
@@ -16,7 +16,7 @@ from kvos.kernels.kv_quant import quantize
 
 torch.manual_seed(0)
 dev = "cuda"
-timed = partial(gpu_timing.timed, reps=15, warmup=2)  # the repetitions the saved figures used
+timed = partial(cuda_median_ms, reps=15, warmup=2)
 H, KVH, HD, BS = 32, 8, 128, 16
 NB = 20000
 

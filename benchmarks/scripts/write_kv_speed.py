@@ -6,12 +6,12 @@ fp8 and int8 caches: the quantizing writes' cost over the plain copy. Prints JSO
 import json
 from functools import partial
 
-import gpu_timing
+from kvos.bench.roofline import cuda_median_ms
 import torch
 from kvos.kernels import cache_write as C
 from kvos.kernels.kv_quant import quantize
 dev = "cuda"; KVH, HD, BS, NB = 8, 128, 16, 4096
-timed = partial(gpu_timing.timed, reps=50)  # the repetitions the saved figures used
+timed = partial(cuda_median_ms, reps=50)
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 vb = kb.clone()
 caches = {"fp8_e4m3": quantize(kb, "fp8_e4m3"), "int8": quantize(kb, "int8")}

@@ -8,24 +8,30 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 
+def cuda_median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` (the upper one for even ``reps``) over ``reps`` calls
+    after ``warmup`` untimed ones, each between two CUDA events on the current stream."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
 def measure_ceilings(device: str = "cuda") -> dict:
     """Device-to-device copy bandwidth (bytes read + written) and an 8192^3 bf16 matrix product,
     each the median of 20 timed runs after warm-up, on random data."""
     import torch
 
-    def median_ms(fn, reps: int = 20) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
-
+    median_ms = cuda_median_ms
     n = 1 << 30
     buffers = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8,
                                                                                          device=device)]
