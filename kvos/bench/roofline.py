@@ -31,16 +31,15 @@ def measure_ceilings(device: str = "cuda") -> dict:
     each the median of 20 timed runs after warm-up, on random data."""
     import torch
 
-    median_ms = cuda_median_ms
     n = 1 << 30
     buffers = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8,
                                                                                          device=device)]
-    copy_ms = median_ms(lambda: buffers[1].copy_(buffers[0]))
+    copy_ms = cuda_median_ms(lambda: buffers[1].copy_(buffers[0]))
     buffers.clear()
     m = 8192
     a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
     b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
-    gemm_ms = median_ms(lambda: a @ b)
+    gemm_ms = cuda_median_ms(lambda: a @ b)
     return {"hbm_GBps": 2 * n / copy_ms / 1e6, "bf16_gemm_TFLOPs": 2 * m**3 / gemm_ms / 1e9}
 
 

@@ -105,9 +105,9 @@ def _decode_split_kernel(
     The context is ``lo .. seq_len-1`` with ``lo = 0``, or ``max(0, seq_len - window)`` when
     HAS_WINDOW (sliding window: the last ``window`` keys). It is cut into NUM_SPLITS slices of
     ``cdiv(seq_len - lo, NUM_SPLITS)`` keys rounded up to BLOCK_N, so late splits of a short
-    context are empty; keys below ``lo`` are never read (but for V_PAGES, below). With one split the result goes straight
-    to ``out``; otherwise each split writes its normalised partial output and its log2-sum-exp
-    (``-inf`` for an empty split) for ``_decode_combine_kernel``.
+    context are empty; keys below ``lo`` are never read (but for V_PAGES, below). With one split
+    the result goes straight to ``out``; otherwise each split writes its normalised partial
+    output and its log2-sum-exp (``-inf`` for an empty split) for ``_decode_combine_kernel``.
 
     QUANT: the caches are fp8 / int8 with float32 scales at ``k_scale_ptr`` / ``v_scale_ptr``
     (``attend_key_range`` dequantizes); otherwise those arguments are never read.
@@ -233,8 +233,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     position ``p = seq_len - 1`` sees keys ``p - window < j <= p`` (Gemma 3 / Mistral sliding
     window), and only those are read (and, for a token-minor V cache, the ones before them in
     ``lo``'s block), so table entries of blocks wholly before ``lo`` may be anything (e.g. a null
-    block 0). Passed as a runtime int: every window shares one compiled
-    variant, and full attention compiles as without the option.
+    block 0). Passed as a runtime int: every window shares one compiled variant, and full
+    attention compiles as without the option.
 
     k_scale, v_scale: quantized caches (``kvos.kernels.kv_quant``), both or neither: float32
     ``[num_blocks, block_size, KVH]`` (any strides), the scale of each (token, kv head) row, at
@@ -295,7 +295,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype),
         HAS_WINDOW=bool(window), QUANT=k_scale is not None, DOT_FP16=dot_fp16, INT8_FP16=int8_fp16,
-        V_PAGES=v_pages(v_cache, tiles.block_n), num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch,
+        V_PAGES=v_pages(v_cache, tiles.block_n),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, num_heads)](
