@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvos.kernels.dequantize_pages import dequantize_pages, dequantized_pages_bytes
 from kvos.kernels.tile_attention import (
     LOG2E,
     V_FOLD,
@@ -16,6 +17,18 @@ from kvos.kernels.tile_attention import (
     scale_args,
     v_pages,
 )
+
+DEQUANTIZE_MIN_QUERY = 512
+"""Over an 8-bit cache, a batch whose longest chunk has at least this many new tokens (and no
+window) attends over a dequantized copy of its context (``dequantize_pages``) with the 16-bit
+kernel: each key is then converted once instead of once per query tile. H200, Llama-3.1-8B
+heads, 16K context (``benchmarks/scripts/prefill_dequantized.py``): 1.31x faster at 512 new
+tokens, 1.52-1.60x at 2,048-8,192, even at 128-256; at 256 over a 1K context the extra launch
+makes it 0.67x."""
+
+DEQUANTIZE_MAX_BYTES = 256 << 20
+"""The largest such copy (K and V, all sequences of the batch); a larger context attends over
+the 8-bit cache directly."""
 
 
 def prefill_tiles(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -161,7 +174,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             out: torch.Tensor | None = None,
                             window: int | None = None,
                             k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None,
+                            max_seq_len: int | None = None,
+                            dequantize_min_query: int = DEQUANTIZE_MIN_QUERY) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     q: ``[T, H, D]`` (any strides), the new tokens of S sequences concatenated: sequence s owns
@@ -195,6 +210,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     finite values and scales (as ``write_kv`` leaves them). Without scales the kernel compiles
     as before (a QUANT=False constexpr).
 
+    max_seq_len: a host-side bound on every ``seq_lens[s]`` (None: unknown). With it, a quantized
+    cache, no window and ``max_query_len >= dequantize_min_query``, the sequences' contexts are
+    first dequantized into a scratch cache in q's dtype (``dequantize_pages``, at most
+    ``DEQUANTIZE_MAX_BYTES``, freed on return) and the unquantized kernel attends over it: the
+    result equals the unquantized kernel's over ``kv_quant.dequantize`` of the cache, which
+    differs from the 8-bit path's by rounding only (the keys and values rounded to q's dtype,
+    the probabilities to q's dtype rather than fp16).
+
     CUDA graphs: no host synchronisation and no branch on tensor values; the grid depends on
     max_query_len, S and KVH only.
     """
@@ -209,6 +232,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert out.shape == q.shape and out.dtype == q.dtype
     if num_seqs == 0 or max_query_len <= 0:
         return out
+    if (k_scale is not None and not window and max_seq_len is not None
+            and max_query_len >= dequantize_min_query
+            and dequantized_pages_bytes(num_seqs, max_seq_len, k_cache, q.dtype) <= DEQUANTIZE_MAX_BYTES):
+        k_cache, v_cache, block_tables = dequantize_pages(k_cache, v_cache, k_scale, v_scale, block_tables,
+                                                          seq_lens, max_seq_len, q.dtype)
+        k_scale = v_scale = None
     block_q, block_n, num_warps = prefill_tiles(head_dim, group, q.dtype)
     num_stages = 2
     if k_scale is not None:

@@ -15,9 +15,10 @@ class TritonBackend(AttentionBackend):
     kernel and prefill chunks the varlen causal kernel, both reading only the paged cache.
 
     Sliding-window layers read only the blocks inside their window. Quantized caches are
-    quantized by the write kernel and dequantized inside the attention kernels. Decode-only steps do no
-    host synchronisation and depend on tensor shapes alone, so they can be captured in a CUDA
-    graph (``num_splits`` is fixed per batch shape).
+    quantized by the write kernel and dequantized inside the attention kernels (long prefill
+    chunks: into a scratch copy of their contexts first, ``paged_prefill_attention``'s
+    ``max_seq_len``). Decode-only steps do no host synchronisation and depend on tensor shapes
+    alone, so they can be captured in a CUDA graph (``num_splits`` is fixed per batch shape).
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -45,7 +46,8 @@ class TritonBackend(AttentionBackend):
         if nd < q.shape[0]:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
                                     meta.seq_lens[nd:], meta.max_prefill_len, scale, out=out[nd:], window=window,
-                                    k_scale=k_scale, v_scale=v_scale)
+                                    k_scale=k_scale, v_scale=v_scale,
+                                    max_seq_len=max(meta.seq_lens_list[nd:], default=None))
             if meta.bidirectional:  # image spans (Gemma 3): those chunks again, with the torch reference's mask
                 starts = meta.prefill_start_loc.tolist()
                 for j, spans in enumerate(meta.bidirectional):

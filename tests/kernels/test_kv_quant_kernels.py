@@ -276,8 +276,10 @@ def run_decode(lens, group, head_dim, kv_dtype, q_dtype, seed, num_splits=None, 
 
 
 def run_prefill(seqs, group, head_dim, kv_dtype, q_dtype, seed, window=None, page_major=True,
-                token_minor=False):
-    """seqs: (query length, total length) per sequence. Returns as ``run_decode``."""
+                token_minor=False, dequantize=False):
+    """seqs: (query length, total length) per sequence. Returns as ``run_decode``. dequantize:
+    the quantized call takes the dequantized-scratch path (``max_seq_len``, no query-length
+    threshold), with NaN scales and values in the block that pads every table (block 0)."""
     gen = torch.Generator().manual_seed(seed)
     paged = QuantPaged([n for _, n in seqs], 16, head_dim, kv_dtype, gen, page_major=page_major,
                        token_minor=token_minor)
@@ -289,6 +291,10 @@ def run_prefill(seqs, group, head_dim, kv_dtype, q_dtype, seed, window=None, pag
     total = sum(q_len for q_len, _ in seqs)
     qkv = torch.randn(total, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen).to(DEVICE, q_dtype)
     q = qkv[:, :num_heads]  # a strided view, as split off a fused QKV projection
+    extra = {}
+    if dequantize:
+        paged.drop_blocks_before([0] * len(seqs))  # poisons block 0, the tables' padding
+        extra = {"max_seq_len": max(n for _, n in seqs), "dequantize_min_query": 1}
     starts = [0]
     for q_len, _ in seqs:
         starts.append(starts[-1] + q_len)
@@ -298,7 +304,7 @@ def run_prefill(seqs, group, head_dim, kv_dtype, q_dtype, seed, window=None, pag
     out = torch.full_like(q, float("nan"))
     res = paged_prefill_attention(q, paged.k_cache, paged.v_cache, paged.block_tables,
                                   query_start_loc, paged.seq_lens_t, max_q, scale, out=out,
-                                  window=window, **paged.scales)
+                                  window=window, **paged.scales, **extra)
     assert res is out
     k_deq, v_deq = paged.dequantized(q_dtype)
     plain = paged_prefill_attention(q, k_deq, v_deq, paged.block_tables, query_start_loc,
@@ -375,6 +381,21 @@ def test_token_minor_values_match_the_reference(kv_dtype, group, head_dim, windo
                                   seed=group * head_dim, window=window, token_minor=True)
     assert rel_err(out, plain) <= 2e-6
     assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, *LOW_DTYPES])
+def test_prefill_over_dequantized_pages(kv_dtype, q_dtype):
+    """Long chunks over an 8-bit cache attend over a scratch copy dequantized first
+    (``dequantize_pages``): exactly the unquantized kernel over ``kv_quant.dequantize`` of the
+    cache, with V token-minor, NaN in the rows past each sequence's end and in the tables'
+    padding block; and the float64 reference to 1e-5 (fp32) / 1e-2."""
+    seqs = [(1, 35), (16, 16), (17, 17), (15, 47), (20, 60), (70, 150)]
+    tol = 1e-5 if q_dtype == torch.float32 else 1e-2
+    out, plain, ref = run_prefill(seqs, 4, 80, kv_dtype, q_dtype, seed=21, token_minor=True,
+                                  dequantize=True)
+    assert torch.equal(out, plain)
+    assert rel_err(out, ref) <= tol
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
