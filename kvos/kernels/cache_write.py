@@ -8,6 +8,12 @@ import triton.language as tl
 from kvos.kernels.kv_quant import FP8_SCALE_CANDIDATES, MIN_SCALE, QMAX, kv_dtype_of
 
 
+FP8_WRITE_WARPS = 1
+"""Warps per program of the fp8 write: one warp holds a row, so the search's sums reduce within
+the warp. H200, 256 rows of 8 kv heads x 128 (``benchmarks/scripts/write_kv_speed.py``, in a CUDA
+graph): FIXME."""
+
+
 @triton.jit
 def _quantize_row(x, scale_ptr, mask_row, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr,
                   ROUND: tl.constexpr):
@@ -51,32 +57,57 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATES: tl.constexpr):
+def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATES: tl.constexpr,
+                      HW_CVT: tl.constexpr):
     """fp8 e4m3 as ``kvos.kernels.kv_quant.quantize``: of the scales ``(amax(|x|) / 448) * (1 + j /
     CANDIDATES)``, j < CANDIDATES, keep the one whose dequantized row has the least squared error
     (float64 sum; ties: the smallest j), store it at ``scale_ptr`` (where ``mask_row``) and return
     the row's e4m3fn bytes (int32, sign in bit 7) for a uint8 view of the cache. x: the row in
-    fp32, zero where masked. Every candidate is tried at once, as a ``[CANDIDATES, len(x)]`` tile
-    (the search's latency is one candidate's, not sixteen in a row). Divisions are correctly
-    rounded (``div_rn``) as torch's are on CPU, and the rounding is exact (``_round_e4m3``), so
-    scales and bytes match ``quantize`` bit for bit; the error sums may differ from torch's in the
-    last bits (another summation order), which can only matter where two candidates' errors tie
-    to within float64 rounding."""
+    fp32, zero where masked. The candidates are tried one after another, each a vector op over
+    the row, keeping the best so far. Divisions are correctly rounded as torch's are on CPU and
+    the rounding to e4m3 is exact: HW_CVT (compiled) divides by the correctly rounded reciprocal
+    with one FMA correction (Markstein's theorem: correctly rounded barring underflow of the
+    residual, which needs a value about 2**-100 times its row's largest) and rounds by the GPU's
+    round-to-nearest-even conversion (``cvt.rn.satfinite``); otherwise (Triton's interpreter,
+    whose fp32 -> float8e4nv cast is wrong and whose fma rounds twice) ``div_rn`` and
+    ``_round_e4m3``. So scales and bytes match ``quantize`` bit for bit; the
+    error sums may differ from torch's in the last bits (another summation order), which can only
+    matter where two candidates' errors tie to within float64 rounding."""
     base = tl.div_rn(tl.max(tl.abs(x), 0), 448.0)
-    j = tl.arange(0, CANDIDATES)
-    s = base * (1.0 + j.to(tl.float32) / CANDIDATES)  # exact: j / CANDIDATES is a power-of-two fraction
-    y = tl.div_rn(x[None, :], tl.maximum(s, MIN_SCALE)[:, None])
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    val, code = _round_e4m3(y)
-    negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too, as torch's cast
-    val = tl.where(negative, -val, val)
-    code = tl.where(negative, code + 128, code)
-    d = val.to(tl.float64) * s.to(tl.float64)[:, None] - x.to(tl.float64)[None, :]
-    err = tl.sum(d * d, 1)
-    best = tl.argmin(err, 0, tie_break_left=True)
-    chosen = j == best
-    tl.store(scale_ptr, tl.sum(tl.where(chosen, s, 0.0), 0), mask=mask_row)
-    return tl.sum(tl.where(chosen[:, None], code, 0), 0)
+    xd = x.to(tl.float64)
+    best_err = tl.full((), float("inf"), tl.float64)
+    best_s = base
+    best_code = tl.zeros(x.shape, tl.int32)
+    for j in range(CANDIDATES):  # a loop, not unrolled: few registers, many programs per SM
+        s = base * (1.0 + j * (1.0 / CANDIDATES))  # exact: j / CANDIDATES is a power-of-two fraction
+        divisor = tl.maximum(s, MIN_SCALE)
+        if HW_CVT:
+            # x / divisor correctly rounded from the correctly rounded reciprocal and one
+            # correction (Markstein): three instructions per value instead of div_rn's ten
+            r = tl.div_rn(1.0, divisor)
+            q = x * r
+            e = tl.fma(-q, divisor, x)
+            y = tl.where(e == 0.0, q, tl.fma(e, r, q))  # q exact: keep its sign (-0.0)
+        else:
+            y = tl.div_rn(x, divisor)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if HW_CVT:
+            f8 = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            val = f8.to(tl.float32)
+            code = f8.to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            val, code = _round_e4m3(y)
+            negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too, as torch's cast
+            val = tl.where(negative, -val, val)
+            code = tl.where(negative, code + 128, code)
+        d = val.to(tl.float64) * s.to(tl.float64) - xd
+        err = tl.sum(d * d, 0)
+        better = err < best_err  # strict: ties keep the smaller j
+        best_err = tl.where(better, err, best_err)
+        best_s = tl.where(better, s, best_s)
+        best_code = tl.where(better, code, best_code)
+    tl.store(scale_ptr, best_s, mask=mask_row)
+    return best_code
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "k_scale_ptr", "v_scale_ptr"])
@@ -90,10 +121,12 @@ def _write_kv_kernel(
     head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
     QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND: tl.constexpr, FP8_CANDIDATES: tl.constexpr,
+    HW_CVT: tl.constexpr = True,
 ):
     """One program copies one token's K and V row of one kv head. QUANT: quantizes each row
     (``_quantize_row``; fp8 when FP8_CANDIDATES > 0: ``_quantize_row_fp8``, into uint8 views of the
-    caches) and stores its scale too; otherwise the scale arguments are never read."""
+    caches) and stores its scale too; otherwise the scale arguments are never read. HW_CVT: the fp8
+    search's compiled arithmetic (False under Triton's interpreter; same bytes)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -109,8 +142,8 @@ def _write_kv_kernel(
         k_scale_dst = k_scale_ptr + block * stride_ksb + offset * stride_kso + h * stride_ksh
         v_scale_dst = v_scale_ptr + block * stride_vsb + offset * stride_vso + h * stride_vsh
         if FP8_CANDIDATES > 0:
-            k = _quantize_row_fp8(k.to(tl.float32), k_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES)
-            v = _quantize_row_fp8(v.to(tl.float32), v_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES)
+            k = _quantize_row_fp8(k.to(tl.float32), k_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT)
+            v = _quantize_row_fp8(v.to(tl.float32), v_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT)
         else:
             k = _quantize_row(k.to(tl.float32), k_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
             v = _quantize_row(v.to(tl.float32), v_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
@@ -171,4 +204,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
         QUANT=kv_dtype is not None, QMAX=QMAX[kv_dtype] if kv_dtype else 0.0,
         MIN_SCALE=MIN_SCALE, ROUND=kv_dtype == "int8", FP8_CANDIDATES=FP8_SCALE_CANDIDATES if fp8 else 0,
+        HW_CVT=not triton.knobs.runtime.interpret, num_warps=FP8_WRITE_WARPS if fp8 else 4,
     )

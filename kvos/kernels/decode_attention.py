@@ -55,28 +55,28 @@ class DecodeTiles(NamedTuple):
     max_registers: int | None = None
 
 
-QUANTIZED_STAGES = 5
-"""Pipeline stages of the 8-bit kernel at head_dim 128 with 16-bit queries. Up to 4 stages
-Triton 3.6's pipeliner keeps one shared-memory buffer per K/V tile here (the next tile's copies
-are issued after the current tile's math and awaited at the top of the next iteration, so a
-program never overlaps its loads with its math); from 5 it double-buffers K and V and leaves the
-next tile's copies in flight (77 KB of shared memory per program; two programs per SM). H100,
-Llama-3.1-8B heads, kernel alone, fp8 against the bf16 kernel: 1.63x -> 1.76x at batch 64 x 32K,
-1.75x -> 1.77x at 256 x 32K (``benchmarks/scripts/decode_stages.py``)."""
+QUANTIZED_TILES = DecodeTiles(32, 1, 3, 8)
+"""The 8-bit kernel's launch shape at head_dim 128 with 16-bit queries: 32 keys per tile (two
+blocks of 16), one warp, three stages, splits for about 8 programs per SM. H200, Llama-3.1-8B
+heads, fp8 with V token-minor, one layer inside a CUDA graph, against the shape before (128 keys,
+4 warps, 5 stages, 4 per SM; ``benchmarks/results/decode-tiles-h200.jsonl``): 256 x 256 keys
+0.100 -> 0.045 ms (bf16 0.075), 256 x 512 0.134 -> 0.075 (bf16 0.138), 64 x 512 0.058 -> 0.027,
+1 x 2K 0.022 -> 0.009, 64 x 8K 0.33 -> 0.28, 256 x 8K 1.14 -> 0.97, 64 x 32K 1.19 -> 1.04,
+256 x 32K 4.34 -> 3.91. Small programs keep many in flight per SM, which is what hides the
+latency of the gathered, converted tiles; larger tiles only pay off where the context is long."""
 
 
 def decode_tiles(head_dim_pad: int, dtype: torch.dtype, quantized: bool) -> DecodeTiles:
     """The split kernel's launch shape. Keys per tile: 64, or 32 for 256-wide heads so
-    double-buffered K/V tiles stay small. 8-bit caches take twice as many keys per tile (the same
-    bytes per tile as 16-bit ones) and three stages; at head_dim 128 with 16-bit queries
-    ``QUANTIZED_STAGES`` with splits for about 4 programs per SM (two waves of two resident
-    programs). 16-bit caches keep two stages and two programs per SM. Every choice is the best
-    of a sweep on an H100 (``benchmarks/scripts/sweep_quant_tiles.py``,
-    ``benchmarks/scripts/decode_stages.py``)."""
+    double-buffered K/V tiles stay small; 16-bit caches take two stages and two programs per
+    SM. 8-bit caches: ``QUANTIZED_TILES`` at head_dim 128 with 16-bit queries; otherwise twice
+    the 16-bit keys per tile (the same bytes per tile) and three stages. Every choice is the best
+    of a sweep (H100: ``benchmarks/scripts/sweep_quant_tiles.py``; H200: the probe in
+    ``QUANTIZED_TILES``)."""
     block_n = 32 if head_dim_pad >= 256 else 64
     if quantized:
         if head_dim_pad == 128 and dtype != torch.float32:
-            return DecodeTiles(2 * block_n, 4, QUANTIZED_STAGES, 4)
+            return QUANTIZED_TILES
         return DecodeTiles(2 * block_n, 4, 3, 2)
     return DecodeTiles(block_n, 8 if dtype == torch.float32 else 4, 2, 2)
 
