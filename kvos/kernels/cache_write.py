@@ -7,7 +7,6 @@ import triton.language as tl
 
 from kvos.kernels.kv_quant import FP8_SCALE_CANDIDATES, MIN_SCALE, QMAX, kv_dtype_of
 
-
 FP8_WRITE_WARPS = 1
 """Warps per program of the fp8 write: one warp holds a row, so the search's sums reduce within
 the warp. H200, 256 rows of 8 kv heads x 128 (``benchmarks/scripts/write_kv_speed.py``, in a CUDA
