@@ -176,7 +176,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None,
                             max_seq_len: int | None = None,
-                            dequantize_min_query: int = DEQUANTIZE_MIN_QUERY) -> torch.Tensor:
+                            dequantize_min_query: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     q: ``[T, H, D]`` (any strides), the new tokens of S sequences concatenated: sequence s owns
@@ -211,7 +211,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     as before (a QUANT=False constexpr).
 
     max_seq_len: a host-side bound on every ``seq_lens[s]`` (None: unknown). With it, a quantized
-    cache, no window and ``max_query_len >= dequantize_min_query``, the sequences' contexts are
+    cache, no window and ``max_query_len >= dequantize_min_query`` (None: the module's
+    ``DEQUANTIZE_MIN_QUERY`` at call time), the sequences' contexts are
     first dequantized into a scratch cache in q's dtype (``dequantize_pages``, at most
     ``DEQUANTIZE_MAX_BYTES``, freed on return) and the unquantized kernel attends over it: the
     result equals the unquantized kernel's over ``kv_quant.dequantize`` of the cache, which
@@ -233,7 +234,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_seqs == 0 or max_query_len <= 0:
         return out
     if (k_scale is not None and not window and max_seq_len is not None
-            and max_query_len >= dequantize_min_query
+            and max_query_len >= (DEQUANTIZE_MIN_QUERY if dequantize_min_query is None else dequantize_min_query)
             and dequantized_pages_bytes(num_seqs, max_seq_len, k_cache, q.dtype) <= DEQUANTIZE_MAX_BYTES):
         k_cache, v_cache, block_tables = dequantize_pages(k_cache, v_cache, k_scale, v_scale, block_tables,
                                                           seq_lens, max_seq_len, q.dtype)

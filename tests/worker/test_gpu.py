@@ -236,8 +236,8 @@ def test_async_scheduling_on_gpu_matches_sync(eager):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
-@pytest.mark.parametrize("eager", [False, True])
-def test_quantized_kv_triton_path_matches_torch_path(kv_cache_dtype, eager):
+@pytest.mark.parametrize("eager,dequantize", [(False, False), (True, False), (False, True)])
+def test_quantized_kv_triton_path_matches_torch_path(kv_cache_dtype, eager, dequantize, monkeypatch):
     """8-bit KV on the GPU: the Triton path (the write kernel quantizes, attention dequantizes
     inside the kernels, CUDA graphs unless eager) against the torch reference backend (quantize
     and dequantize in torch) on the same random bf16 weights, through a shared prefix (hits),
@@ -246,8 +246,17 @@ def test_quantized_kv_triton_path_matches_torch_path(kv_cache_dtype, eager):
     H100: the torch path rounds dequantized values to bf16, the kernels keep them exact in fp16
     dots). Greedy tokens then part at the near-ties that random bf16 weights are full of (68-86%
     identical on an H100, the first token included or not): only a floor against garbage.
+    dequantize: prefill chunks of 16+ tokens attend over a dequantized copy of their context
+    (``DEQUANTIZE_MIN_QUERY`` lowered from 512 so this test's 64-token chunks take that path).
     """
     from kvos import LLM
+    from kvos.kernels import prefill_attention
+
+    copies = []
+    if dequantize:
+        monkeypatch.setattr(prefill_attention, "DEQUANTIZE_MIN_QUERY", 16)
+        real = prefill_attention.dequantize_pages
+        monkeypatch.setattr(prefill_attention, "dequantize_pages", lambda *a: copies.append(1) or real(*a))
     from kvos.worker.torch_attention import TorchReferenceBackend
 
     kw = dict(model="llama-tiny", random_weights=True, device="cuda", dtype="bfloat16", num_blocks=40,
@@ -272,6 +281,7 @@ def test_quantized_kv_triton_path_matches_torch_path(kv_cache_dtype, eager):
         stats = llm.stats()
         assert stats["preemptions"] > 0 and stats["prefix_hits_tokens"] > 0 and stats["used"] == 0
         runs[name] = ([o.outputs[0].token_ids for o in outs], [first[o.request_id] for o in outs])
+    assert bool(copies) == dequantize
     (tri_tokens, tri_logits), (ref_tokens, ref_logits) = runs["triton"], runs["torch"]
     for a, b in zip(tri_logits, ref_logits):
         err = (a - b).abs().max().item() / b.abs().max().item()
