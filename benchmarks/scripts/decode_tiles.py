@@ -7,26 +7,14 @@ engine's result.
     python benchmarks/scripts/decode_tiles.py
 """
 import json
+
 import torch
+
+from kvos.bench.roofline import cuda_graph_ms as graph_ms
 from kvos.kernels import decode_attention as D
 from kvos.kernels.decode_attention import DecodeTiles
 dev = "cuda"
 H, KVH, HD, BS, NB, W = 32, 8, 128, 16, 36000, 2048
-def graph_ms(fn, n=32, reps=15):
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) / n)
-    return sorted(ts)[len(ts) // 2]
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16); vb = torch.randn_like(kb)
 kq = torch.randn(NB, BS, KVH, HD, device=dev).to(torch.float8_e4m3fn)
 vq = torch.randn(NB, BS, KVH, HD, device=dev).to(torch.float8_e4m3fn).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)

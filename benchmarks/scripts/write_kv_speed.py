@@ -8,35 +8,12 @@ import json
 
 import torch
 
+from kvos.bench.roofline import cuda_graph_ms as graph_ms
 from kvos.kernels import cache_write as C
 from kvos.kernels.kv_quant import quantize
 
 dev = "cuda"
 KVH, HD, BS, NB = 8, 128, 16, 4096
-
-
-def graph_ms(fn, n: int = 32, reps: int = 20) -> float:
-    """Median milliseconds per call of ``fn`` replayed ``n`` times in one CUDA graph."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / n)
-    return sorted(times)[len(times) // 2]
-
-
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 vb = kb.clone()
 caches = {"fp8_e4m3": quantize(kb, "fp8_e4m3"), "int8": quantize(kb, "int8")}

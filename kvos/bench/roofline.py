@@ -26,6 +26,32 @@ def cuda_median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def cuda_graph_ms(fn, calls: int = 32, reps: int = 20) -> float:
+    """Median milliseconds per call of ``fn`` on the GPU alone: ``calls`` calls captured in one
+    CUDA graph (after one warm-up call on a side stream, which also compiles), replayed ``reps``
+    times between CUDA events. ``fn`` must be capturable (no host synchronisation)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_ceilings(device: str = "cuda") -> dict:
     """Device-to-device copy bandwidth (bytes read + written) and an 8192^3 bf16 matrix product,
     each the median of 20 timed runs after warm-up, on random data."""
