@@ -337,6 +337,11 @@ class LLMEngine:
         if budget is None and self.runner.device.type == "cuda":
             budget = self.runner.profile_kv_budget(self.config.gpu_memory_utilization,
                                                    self.config.max_num_batched_tokens)
+            if any(g.spec.quantized for g in self.layout.groups):
+                # the room long prefill chunks take to dequantize their context (the profile ran
+                # on a 16-bit scratch cache, which never does)
+                from kvos.kernels.prefill_attention import DEQUANTIZE_MAX_BYTES
+                budget = max(0, budget - DEQUANTIZE_MAX_BYTES)
         return self.layout.num_pages_for_memory(budget or 2 << 30)
 
     # -- requests ------------------------------------------------------------------------
