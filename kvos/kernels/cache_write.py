@@ -69,7 +69,7 @@ def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATE
     the row, keeping the best so far. Divisions are correctly rounded as torch's are on CPU and
     the rounding to e4m3 is exact: HW_CVT (compiled) divides by the correctly rounded reciprocal
     with one FMA correction (Markstein's theorem: correctly rounded barring underflow of the
-    residual, which needs a value about 2**-100 times its row's largest) and rounds by the GPU's
+    residual, which needs a value below about 2**-100 in magnitude) and rounds by the GPU's
     round-to-nearest-even conversion (``cvt.rn.satfinite``); otherwise (Triton's interpreter,
     whose fp32 -> float8e4nv cast is wrong and whose fma rounds twice) ``div_rn`` and
     ``_round_e4m3``. So scales and bytes match ``quantize`` bit for bit; the
