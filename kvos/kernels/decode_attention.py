@@ -268,6 +268,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_blocks = min(max_blocks, triton.cdiv(window, block_size))
     block_d = padded_head_dim(head_dim)
     tiles = decode_tiles(block_d, q.dtype, k_scale is not None)
+    if k_scale is not None and tiles.block_n < block_size <= 128 and block_size & (block_size - 1) == 0:
+        tiles = tiles._replace(block_n=block_size)  # whole blocks per tile, so v_pages holds
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size,
                                        programs_per_sm=tiles.programs_per_sm)

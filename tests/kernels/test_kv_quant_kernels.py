@@ -249,10 +249,11 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
 
 
 def run_decode(lens, group, head_dim, kv_dtype, q_dtype, seed, num_splits=None, window=None,
-               page_major=True, token_minor=False):
+               page_major=True, token_minor=False, block_size=16):
     """(quantized kernel, same kernel on the dequantized caches, float64 reference)."""
     gen = torch.Generator().manual_seed(seed)
-    paged = QuantPaged(lens, 16, head_dim, kv_dtype, gen, page_major=page_major, token_minor=token_minor)
+    paged = QuantPaged(lens, block_size, head_dim, kv_dtype, gen, page_major=page_major,
+                       token_minor=token_minor)
     if token_minor:
         paged.poison_unused_rows([n - window for n in lens] if window else None)
     if window:
@@ -408,6 +409,14 @@ def test_quantized_with_half_precision_queries(kv_dtype, q_dtype):
     out, _, ref = run_prefill([(1, 33), (20, 50), (16, 16)], 4, 64, kv_dtype, q_dtype, seed=4,
                               window=20)
     assert rel_err(out, ref) <= 1e-2
+    # head_dim 128: the engine's 8-bit decode shape (``QUANTIZED_TILES``: 32-key tiles of two
+    # token-minor blocks; blocks of 64 widen the tile to one block), the default splits and one,
+    # a window ending mid-block
+    for splits, window, block_size in ((None, None, 16), (1, 21, 16), (None, 21, 64)):
+        out, _, ref = run_decode([1, 17, 40, 70, 150], 2, 128, kv_dtype, q_dtype, seed=5,
+                                 num_splits=splits, window=window, token_minor=True,
+                                 block_size=block_size)
+        assert rel_err(out, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
