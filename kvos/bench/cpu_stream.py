@@ -3,7 +3,8 @@ weights only (``block_weights=False``), transformers ``generate`` (float32) and 
 (``llama-cpp-python``, when installed) on the same GGUF, the same prompt token ids, greedy, for
 each thread count. Reports time to first token, decode tok/s (tokens after the first over the
 time after it), end-to-end tok/s, and how many leading tokens each engine shares with
-transformers. Rounds alternate engines; the best round of each is kept."""
+transformers. ``kvos-int8`` / ``kvos-fp8`` (not run unless named in ``--engines``) are kvos with
+an 8-bit KV cache. Rounds alternate engines; the best round of each is kept."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
 ENGINES = ("kvos", "kvos-float32", "transformers", "llama.cpp")
+KV8_ENGINES = {"kvos-int8": "int8", "kvos-fp8": "fp8_e4m3"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +23,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=[*ENGINES, *KV8_ENGINES])
     p.add_argument("--output", default="benchmarks/results/cpu-stream.json")
 
 
@@ -33,11 +35,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class KvosStream:
-    def __init__(self, model: str | None, block_weights: bool, max_len: int) -> None:
+    def __init__(self, model: str | None, block_weights: bool, max_len: int, kv_cache_dtype: str = "auto") -> None:
         from kvos import LLM
 
         self.llm = LLM(model, device="cpu", block_weights=block_weights, max_model_len=max_len,
-                       kv_cache_memory_bytes=256 << 20)
+                       kv_cache_memory_bytes=256 << 20, kv_cache_dtype=kv_cache_dtype)
 
     def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
         from kvos import SamplingParams
@@ -132,6 +134,8 @@ def run(a: argparse.Namespace) -> dict:
             engines[name] = KvosStream(a.model, True, max_len)
         elif name == "kvos-float32":
             engines[name] = KvosStream(a.model, False, max_len)
+        elif name in KV8_ENGINES:
+            engines[name] = KvosStream(a.model, True, max_len, KV8_ENGINES[name])
         elif name == "transformers":
             engines[name] = TransformersStream(path)
         else:

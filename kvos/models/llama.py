@@ -205,13 +205,15 @@ class LlamaForCausalLM(nn.Module):
         """The C view of the layers and ``kv_caches`` (built once per cache set), or None when a
         layer is not the plain Llama one (q/k norms, biases, another activation, a subclass's
         layers, tensor-parallel shards and their hooks), a weight lacks its block form, the
-        weights are not float32, or a cache is quantized or laid out unlike the first."""
+        weights are not float32, or a cache is neither float32 laid out as the first nor an
+        8-bit one that ``paged_kv8`` takes (all quantized or none)."""
         key = tuple((c.k.data_ptr(), c.v.data_ptr()) for c in kv_caches)
         cached = getattr(self, "_decode_layers_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
         from kvos.kernels.cpu.build import library
         from kvos.kernels.cpu.decoder_layers import DecodeLayers
+        from kvos.kernels.cpu.paged_kv8 import view_of
 
         cfg, built = self.cfg, None
         layers = []
@@ -222,11 +224,15 @@ class LlamaForCausalLM(nn.Module):
                     or a.q_norm is not None or mlp.act_and_mul is not ops.silu_and_mul
                     or any(type(lin) is not ops.Linear or lin.blocks is None or lin.bias is not None
                            or lin._forward_hooks for lin in linears)
-                    or c is None or c.quantized or c.k.dtype != torch.float32 or c.k.stride() != c.v.stride()
+                    or c is None or c.quantized != kv_caches[0].quantized):
+                break
+            kv8 = view_of(*c) if c.quantized else None
+            if (kv8 is None if c.quantized else
+                    c.k.dtype != torch.float32 or c.k.stride() != c.v.stride()
                     or c.k.stride() != kv_caches[0].k.stride() or c.k.stride(-1) != 1):
                 break
             layers.append((*(lin.blocks for lin in linears), layer.input_layernorm.weight.detach(),
-                           layer.post_attention_layernorm.weight.detach(), c.k, c.v, a.window))
+                           layer.post_attention_layernorm.weight.detach(), c.k, c.v, a.window, kv8))
         else:
             if (library() is not None and type(self.embed_tokens) is nn.Embedding
                     and self.embed_tokens.weight.dtype == torch.float32

@@ -17,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant_matmul.c", "paged_attention.c", "elementwise.c", "decoder_layers.c")
+SOURCES = ("quant_matmul.c", "paged_attention.c", "paged_kv8.c", "elementwise.c", "decoder_layers.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 """``-ffp-contract=off``: a multiply followed by an add stays two roundings (the dequantized
 weights then equal the float32 reference bit for bit)."""
@@ -82,6 +82,11 @@ def library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.restype = None
     lib.paged_write.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64]
     lib.paged_write.restype = None
+    lib.paged_write_kv8.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.paged_write_kv8.restype = None
+    lib.paged_decode_attention_kv8.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32, ptr,
+                                               ctypes.c_int]
+    lib.paged_decode_attention_kv8.restype = None
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, f32, ptr, i64, i64, ctypes.c_int]
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]

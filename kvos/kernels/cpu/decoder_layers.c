@@ -2,7 +2,8 @@
  * same order and on the same float32 values, as the Python path calls one by one (norms and
  * rotary of elementwise.c, block-weight products of quant_matmul.c, the cache write and the
  * decode attention of paged_attention.c), and SiLU-and-multiply as torch defines it
- * (gate / (1 + exp(-gate)) * up). Built with -ffp-contract=off like the others.
+ * (gate / (1 + exp(-gate)) * up). A layer whose cache is 8-bit (``kv8`` set) writes and attends
+ * through paged_kv8.c instead. Built with -ffp-contract=off like the others.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,6 +20,14 @@ void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nk
 void paged_write(const float *src, int64_t T, int64_t heads, int64_t D, int64_t src_stride,
                  float *cache, int64_t sb, int64_t st, int64_t sh, const int64_t *slots,
                  int64_t block_size);
+typedef struct Kv8View Kv8View; /* paged_kv8.c */
+void paged_write_kv8(const float *src_k, const float *src_v, int64_t T, int64_t heads, int64_t D,
+                     int64_t k_stride, int64_t v_stride, const Kv8View *c, const int64_t *slots,
+                     int64_t block_size, int nthreads);
+void paged_decode_attention_kv8(const float *q, int64_t nseq, int64_t nh, int64_t nkv, int64_t D,
+                                const Kv8View *c, const int32_t *tables, int64_t table_stride,
+                                const int32_t *seq_lens, int64_t block_size, int64_t window, float scale,
+                                float *out, int nthreads);
 void u4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
                const float *m, int64_t N, float *out, int nthreads);
 void i8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float *d,
@@ -36,7 +45,8 @@ typedef struct {
     BlockWeight qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
     float *k_cache, *v_cache;
-    int64_t window; /* 0: none */
+    int64_t window;     /* 0: none */
+    const Kv8View *kv8; /* an 8-bit cache (k_cache, v_cache unused), or null */
 } DecodeLayer;
 
 typedef struct {
@@ -75,13 +85,20 @@ void llama_decode_layers(const DecodeLayer *layers, int64_t num_layers, const De
         product(&L->qkv, h, M, H, qkv, threads);
         rotary(qkv, M, s->heads, D, qkvn, positions, cos, sin, qr);
         rotary(qkv + qn, M, s->kv_heads, D, qkvn, positions, cos, sin, kr);
-        paged_write(kr, M, s->kv_heads, D, kvn, L->k_cache, s->cache_sb, s->cache_st, s->cache_sh, slots,
-                    s->block_size);
-        paged_write(qkv + qn + kvn, M, s->kv_heads, D, qkvn, L->v_cache, s->cache_sb, s->cache_st,
-                    s->cache_sh, slots, s->block_size);
-        paged_decode_attention(qr, M, s->heads, s->kv_heads, D, L->k_cache, L->v_cache, s->cache_sb,
-                               s->cache_st, s->cache_sh, tables, s->table_stride, seq_lens, s->block_size,
-                               L->window, s->scale, attn, threads);
+        if (L->kv8) {
+            paged_write_kv8(kr, qkv + qn + kvn, M, s->kv_heads, D, kvn, qkvn, L->kv8, slots, s->block_size,
+                            threads);
+            paged_decode_attention_kv8(qr, M, s->heads, s->kv_heads, D, L->kv8, tables, s->table_stride,
+                                       seq_lens, s->block_size, L->window, s->scale, attn, threads);
+        } else {
+            paged_write(kr, M, s->kv_heads, D, kvn, L->k_cache, s->cache_sb, s->cache_st, s->cache_sh, slots,
+                        s->block_size);
+            paged_write(qkv + qn + kvn, M, s->kv_heads, D, qkvn, L->v_cache, s->cache_sb, s->cache_st,
+                        s->cache_sh, slots, s->block_size);
+            paged_decode_attention(qr, M, s->heads, s->kv_heads, D, L->k_cache, L->v_cache, s->cache_sb,
+                                   s->cache_st, s->cache_sh, tables, s->table_stride, seq_lens, s->block_size,
+                                   L->window, s->scale, attn, threads);
+        }
         product(&L->o, attn, M, qn, x, threads);
         rms_norm(x, residual, residual, L->post_norm, s->eps, h, M, H, threads);
         product(&L->gate_up, h, M, H, gu, threads);

@@ -25,7 +25,7 @@ class _BlockWeight(ctypes.Structure):
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [("qkv", _BlockWeight), ("o", _BlockWeight), ("gate_up", _BlockWeight), ("down", _BlockWeight),
                 ("input_norm", _ptr), ("post_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
-                ("window", _i64)]
+                ("window", _i64), ("kv8", _ptr)]
 
 
 class _DecodeShape(ctypes.Structure):
@@ -40,8 +40,9 @@ def _weight(w: BlockQuantWeight) -> _BlockWeight:
 
 class DecodeLayers:
     """The C view of ``layers`` (``(qkv, o, gate_up, down, input_norm, post_norm, k_cache,
-    v_cache, window)`` per layer: block weights, float32 norm weights ``[hidden]``, float32
-    caches ``[blocks, block_size, kv_heads, head_dim]`` of one layout). Only valid while those
+    v_cache, window, kv8)`` per layer: block weights, float32 norm weights ``[hidden]``, float32
+    caches ``[blocks, block_size, kv_heads, head_dim]`` of one layout, or with ``kv8`` (a
+    ``paged_kv8.Kv8View``, else None) an 8-bit cache that it describes). Only valid while those
     tensors live and keep their storage (the structures hold their addresses)."""
 
     def __init__(self, layers: list[tuple], hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -52,8 +53,8 @@ class DecodeLayers:
                                   k0.stride(1), k0.stride(2), 0, eps, scale)
         self.layers = (_DecodeLayer * len(layers))(*(
             _DecodeLayer(_weight(qkv), _weight(o), _weight(gu), _weight(down), n1.data_ptr(), n2.data_ptr(),
-                         k.data_ptr(), v.data_ptr(), window or 0)
-            for qkv, o, gu, down, n1, n2, k, v, window in layers))
+                         k.data_ptr(), v.data_ptr(), window or 0, ctypes.addressof(kv8) if kv8 is not None else 0)
+            for qkv, o, gu, down, n1, n2, k, v, window, kv8 in layers))
         s = self.shape
         self._scratch_per_row = 2 * s.hidden + 2 * (heads + 2 * kv_heads) * head_dim + 3 * intermediate
 
