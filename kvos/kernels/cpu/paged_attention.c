@@ -89,6 +89,38 @@ static inline void scale_axpy(float *acc, float c, float p, const float *v, int6
 ATTEND_HEAD(64)
 ATTEND_HEAD(128)
 
+/* Fold keys k[r] and values v[r] (r < rows, row stride st) into the running softmax state of
+ * the group's query heads qs [group, D]: acc [group, D] unnormalised sums, mx, sum [group] the
+ * running maxima (-inf before any key) and denominators; scores: rows floats of scratch. */
+void attend_rows(const float *qs, int64_t group, int64_t D, const float *k, const float *v, int64_t st,
+                 int64_t rows, float scale, float *scores, float *acc, float *mx, float *sum) {
+    for (int64_t i = 0; i < group; i++) {
+        float m = mx[i];
+        for (int64_t t = 0; t < rows; t++) {
+            scores[t] = dot(qs + i * D, k + t * st, D) * scale;
+            if (scores[t] > m) m = scores[t];
+        }
+        const float c = expf(mx[i] - m); /* 0 on the first block (exp(-inf)) */
+        float *a = acc + i * D;
+        float l = sum[i] * c;
+        for (int64_t t = 0; t < rows; t++) {
+            const float p = expf(scores[t] - m);
+            l += p;
+            scale_axpy(a, t == 0 ? c : 1.0f, p, v + t * st, D);
+        }
+        sum[i] = l;
+        mx[i] = m;
+    }
+}
+
+/* out [group, D] = acc / sum per head (0 where no key was seen). */
+void finish_rows(const float *acc, const float *sum, int64_t group, int64_t D, float *out) {
+    for (int64_t i = 0; i < group; i++) {
+        const float inv = sum[i] > 0 ? 1.0f / sum[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) out[i * D + d] = acc[i * D + d] * inv;
+    }
+}
+
 /* q, out: [nseq, nh, D] contiguous; tables [nseq, table_stride] int32; D a multiple of 8. */
 void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nkv, int64_t D,
                             const float *kc, const float *vc, int64_t sb, int64_t st, int64_t sh,
@@ -111,7 +143,7 @@ void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nk
             }
             continue;
         }
-        float *scores = malloc(sizeof(float) * group * block_size);
+        float *scores = malloc(sizeof(float) * block_size);
         float *acc = calloc(group * D, sizeof(float));
         float *mx = malloc(sizeof(float) * group), *sum = calloc(group, sizeof(float));
         for (int64_t i = 0; i < group; i++) mx[i] = -INFINITY;
@@ -120,33 +152,13 @@ void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nk
             const int64_t b = t0 / block_size;
             const int64_t t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
             const int64_t blk = tables[s * table_stride + b];
-            const float *kb = kc + blk * sb + g * sh, *vb = vc + blk * sb + g * sh;
+            const int64_t at = blk * sb + g * sh + (t0 % block_size) * st;
             if (t1 < len) /* the next block's rows: its address is in the table, not predictable */
                 prefetch_rows(kc, vc, tables[s * table_stride + b + 1] * sb + g * sh, st, block_size, D);
-            for (int64_t i = 0; i < group; i++) {
-                float *sc = scores + i * block_size, m = mx[i];
-                for (int64_t t = t0; t < t1; t++) {
-                    sc[t - t0] = dot(qs + i * D, kb + (t % block_size) * st, D) * scale;
-                    if (sc[t - t0] > m) m = sc[t - t0];
-                }
-                const float c = expf(mx[i] - m);  /* 0 on the first block (exp(-inf)) */
-                float *a = acc + i * D;
-                float l = sum[i] * c;
-                for (int64_t t = t0; t < t1; t++) {
-                    const float p = expf(sc[t - t0] - m);
-                    l += p;
-                    scale_axpy(a, t == t0 ? c : 1.0f, p, vb + (t % block_size) * st, D);
-                }
-                sum[i] = l;
-                mx[i] = m;
-            }
+            attend_rows(qs, group, D, kc + at, vc + at, st, t1 - t0, scale, scores, acc, mx, sum);
             t0 = t1;
         }
-        for (int64_t i = 0; i < group; i++) {
-            const float inv = sum[i] > 0 ? 1.0f / sum[i] : 0.0f;
-            float *o = out + (s * nh + g * group + i) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
-        }
+        finish_rows(acc, sum, group, D, out + (s * nh + g * group) * D);
         free(scores); free(acc); free(mx); free(sum);
     }
 }

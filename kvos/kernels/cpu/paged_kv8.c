@@ -8,8 +8,8 @@
  * (amax / 448) * (1 + j / 16), j < 16 (error summed in double, eight lanes at a time: it may
  * differ from torch's sum in the last bits, which matters only where two candidates tie to within
  * double rounding), values rounded to nearest even e4m3. The attention dequantizes each block's rows
- * (x * scale in float32, as kv_quant.dequantize) into a float buffer and runs the float32
- * online softmax of paged_attention.c's generic path over it. Built with -ffp-contract=off.
+ * (x * scale in float32, as kv_quant.dequantize) into a float buffer and folds it into the
+ * float32 online softmax of paged_attention.c's generic path (attend_rows). Built with -ffp-contract=off.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -154,15 +154,9 @@ void paged_write_kv8(const float *src_k, const float *src_v, int64_t T, int64_t 
     }
 }
 
-static inline float dot8(const float *a, const float *b, int64_t D) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+void attend_rows(const float *qs, int64_t group, int64_t D, const float *k, const float *v, int64_t st,
+                 int64_t rows, float scale, float *scores, float *acc, float *mx, float *sum);
+void finish_rows(const float *acc, const float *sum, int64_t group, int64_t D, float *out); /* paged_attention.c */
 
 /* Rows t0 .. t1-1 (offsets in one block) of one head of K or V, dequantized into out [rows, D]. */
 static void dequantize_rows(const uint8_t *base, int64_t st, int64_t sd, const float *scale, int64_t sst,
@@ -208,31 +202,10 @@ void paged_decode_attention_kv8(const float *q, int64_t nseq, int64_t nh, int64_
                             o0, o1, D, fp8, kf);
             dequantize_rows((const uint8_t *)c->v + blk * c->vsb + g * c->vsh, c->vst, c->vsd,
                             c->v_scale + blk * c->ssb + g * c->ssh, c->sst, o0, o1, D, fp8, vf);
-            for (int64_t i = 0; i < group; i++) {
-                float m = mx[i];
-                for (int64_t t = 0; t < t1 - t0; t++) {
-                    scores[t] = dot8(qs + i * D, kf + t * D, D) * scale;
-                    if (scores[t] > m) m = scores[t];
-                }
-                const float corr = expf(mx[i] - m); /* 0 on the first block (exp(-inf)) */
-                float *a = acc + i * D, l = sum[i] * corr;
-                for (int64_t d = 0; d < D; d++) a[d] *= corr;
-                for (int64_t t = 0; t < t1 - t0; t++) {
-                    const float p = expf(scores[t] - m);
-                    l += p;
-                    const float *vr = vf + t * D;
-                    for (int64_t d = 0; d < D; d++) a[d] += p * vr[d];
-                }
-                sum[i] = l;
-                mx[i] = m;
-            }
+            attend_rows(qs, group, D, kf, vf, D, t1 - t0, scale, scores, acc, mx, sum);
             t0 = t1;
         }
-        for (int64_t i = 0; i < group; i++) {
-            const float inv = sum[i] > 0 ? 1.0f / sum[i] : 0.0f;
-            float *o = out + (s * nh + g * group + i) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
-        }
+        finish_rows(acc, sum, group, D, out + (s * nh + g * group) * D);
         free(kf); free(scores); free(acc); free(mx); free(sum);
     }
 }
