@@ -83,7 +83,7 @@ def dequantize_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torc
     assert v_cache.shape == k_cache.shape and k_scale.shape == v_scale.shape == k_cache.shape[:3]
     num_seqs = seq_lens.shape[0]
     assert block_tables.shape[0] == num_seqs
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     max_blocks = max(1, -(-max_seq_len // block_size))
     shape = (num_seqs * max_blocks, block_size, num_kv_heads, head_dim)
     k = torch.empty(shape, dtype=dtype, device=k_cache.device)

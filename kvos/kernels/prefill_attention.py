@@ -233,8 +233,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert out.shape == q.shape and out.dtype == q.dtype
     if num_seqs == 0 or max_query_len <= 0:
         return out
-    if (k_scale is not None and not window and max_seq_len is not None
-            and max_query_len >= (DEQUANTIZE_MIN_QUERY if dequantize_min_query is None else dequantize_min_query)
+    min_query = DEQUANTIZE_MIN_QUERY if dequantize_min_query is None else dequantize_min_query
+    if (k_scale is not None and not window and max_seq_len is not None and max_query_len >= min_query
             and dequantized_pages_bytes(num_seqs, max_seq_len, k_cache, q.dtype) <= DEQUANTIZE_MAX_BYTES):
         k_cache, v_cache, block_tables = dequantize_pages(k_cache, v_cache, k_scale, v_scale, block_tables,
                                                           seq_lens, max_seq_len, q.dtype)

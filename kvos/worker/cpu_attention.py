@@ -19,9 +19,18 @@ class CpuBackend(TorchReferenceBackend):
     ``paged_decode_attention_kv8`` (8-bit ones), so models may call them from C
     (``kvos.kernels.cpu.decoder_layers``)."""
 
+    _kv8: tuple = (None, None)
+    """The last 8-bit cache seen and its C view (``paged_kv8.view_of``): a layer's write and its
+    decode ask for the same one."""
+
+    def _view(self, cache):
+        if self._kv8[0] is not cache:
+            self._kv8 = (cache, view_of(*cache))
+        return self._kv8[1]
+
     def _write(self, k, v, cache, slot_mapping):
         if cache.quantized:
-            view = view_of(*cache) if k.dtype == torch.float32 else None
+            view = self._view(cache) if k.dtype == torch.float32 else None
             if view is None:
                 return super()._write(k, v, cache, slot_mapping)
             return write_kv8(k, v, view, slot_mapping, cache.k.shape[1])
@@ -32,7 +41,7 @@ class CpuBackend(TorchReferenceBackend):
     def _decode(self, q, cache, meta, scale, window):
         nd = q.shape[0]
         if cache.quantized:
-            view = view_of(*cache) if q.dtype == torch.float32 and q.shape[-1] % 8 == 0 else None
+            view = self._view(cache) if q.dtype == torch.float32 and q.shape[-1] % 8 == 0 else None
             if view is None:
                 return super()._decode(q, cache, meta, scale, window)
             return decode_attention_kv8(q, view, cache.k.shape[2], cache.k.shape[1], meta.block_tables[:nd],

@@ -89,35 +89,52 @@ static inline void scale_axpy(float *acc, float c, float p, const float *v, int6
 ATTEND_HEAD(64)
 ATTEND_HEAD(128)
 
-/* Fold keys k[r] and values v[r] (r < rows, row stride st) into the running softmax state of
- * the group's query heads qs [group, D]: acc [group, D] unnormalised sums, mx, sum [group] the
- * running maxima (-inf before any key) and denominators; scores: rows floats of scratch. */
+/* The online softmax of one (sequence, kv head) job: for the group's query heads, unnormalised
+ * sums acc [group, D], running maxima mx (-inf before any key) and denominators sum [group], and
+ * scores, scratch for up to ``rows`` keys at a time. One allocation: free(state.scores). */
+typedef struct {
+    float *scores, *acc, *mx, *sum;
+} RowsState;
+
+RowsState rows_state(int64_t group, int64_t D, int64_t rows) {
+    RowsState st;
+    st.scores = calloc(rows + group * D + 2 * group, sizeof(float));
+    st.acc = st.scores + rows;
+    st.mx = st.acc + group * D;
+    st.sum = st.mx + group;
+    for (int64_t i = 0; i < group; i++) st.mx[i] = -INFINITY;
+    return st;
+}
+
+/* Fold keys k[r] and values v[r] (r < rows, row stride st) into the state of the group's query
+ * heads qs [group, D]. */
 void attend_rows(const float *qs, int64_t group, int64_t D, const float *k, const float *v, int64_t st,
-                 int64_t rows, float scale, float *scores, float *acc, float *mx, float *sum) {
+                 int64_t rows, float scale, RowsState *state) {
+    float *scores = state->scores;
     for (int64_t i = 0; i < group; i++) {
-        float m = mx[i];
+        float m = state->mx[i];
         for (int64_t t = 0; t < rows; t++) {
             scores[t] = dot(qs + i * D, k + t * st, D) * scale;
             if (scores[t] > m) m = scores[t];
         }
-        const float c = expf(mx[i] - m); /* 0 on the first block (exp(-inf)) */
-        float *a = acc + i * D;
-        float l = sum[i] * c;
+        const float c = expf(state->mx[i] - m); /* 0 on the first block (exp(-inf)) */
+        float *a = state->acc + i * D;
+        float l = state->sum[i] * c;
         for (int64_t t = 0; t < rows; t++) {
             const float p = expf(scores[t] - m);
             l += p;
             scale_axpy(a, t == 0 ? c : 1.0f, p, v + t * st, D);
         }
-        sum[i] = l;
-        mx[i] = m;
+        state->sum[i] = l;
+        state->mx[i] = m;
     }
 }
 
 /* out [group, D] = acc / sum per head (0 where no key was seen). */
-void finish_rows(const float *acc, const float *sum, int64_t group, int64_t D, float *out) {
+void finish_rows(const RowsState *state, int64_t group, int64_t D, float *out) {
     for (int64_t i = 0; i < group; i++) {
-        const float inv = sum[i] > 0 ? 1.0f / sum[i] : 0.0f;
-        for (int64_t d = 0; d < D; d++) out[i * D + d] = acc[i * D + d] * inv;
+        const float inv = state->sum[i] > 0 ? 1.0f / state->sum[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) out[i * D + d] = state->acc[i * D + d] * inv;
     }
 }
 
@@ -143,10 +160,7 @@ void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nk
             }
             continue;
         }
-        float *scores = malloc(sizeof(float) * block_size);
-        float *acc = calloc(group * D, sizeof(float));
-        float *mx = malloc(sizeof(float) * group), *sum = calloc(group, sizeof(float));
-        for (int64_t i = 0; i < group; i++) mx[i] = -INFINITY;
+        RowsState state = rows_state(group, D, block_size);
         const float *qs = q + (s * nh + g * group) * D;
         for (int64_t t0 = start; t0 < len;) {
             const int64_t b = t0 / block_size;
@@ -155,11 +169,11 @@ void paged_decode_attention(const float *q, int64_t nseq, int64_t nh, int64_t nk
             const int64_t at = blk * sb + g * sh + (t0 % block_size) * st;
             if (t1 < len) /* the next block's rows: its address is in the table, not predictable */
                 prefetch_rows(kc, vc, tables[s * table_stride + b + 1] * sb + g * sh, st, block_size, D);
-            attend_rows(qs, group, D, kc + at, vc + at, st, t1 - t0, scale, scores, acc, mx, sum);
+            attend_rows(qs, group, D, kc + at, vc + at, st, t1 - t0, scale, &state);
             t0 = t1;
         }
-        finish_rows(acc, sum, group, D, out + (s * nh + g * group) * D);
-        free(scores); free(acc); free(mx); free(sum);
+        finish_rows(&state, group, D, out + (s * nh + g * group) * D);
+        free(state.scores);
     }
 }
 

@@ -117,13 +117,13 @@ static void quantize_row(const float *x, int64_t D, int fp8, uint8_t *codes, int
     }
     const float base = amax / 448.0f;
     double best = INFINITY;
-    int best_j = 0;
+    float s = base;
     for (int j = 0; j < 16; j++) {
-        const float s = base * (1.0f + (float)j / 16.0f), div = s > 1e-30f ? s : 1e-30f;
-        const double err = D % 8 == 0 ? fp8_error8(x, D, s, div) : fp8_error(x, D, s, div);
-        if (err < best) { best = err; best_j = j; }
+        const float sj = base * (1.0f + (float)j / 16.0f), div = sj > 1e-30f ? sj : 1e-30f;
+        const double err = D % 8 == 0 ? fp8_error8(x, D, sj, div) : fp8_error(x, D, sj, div);
+        if (err < best) { best = err; s = sj; }
     }
-    const float s = base * (1.0f + (float)best_j / 16.0f), div = s > 1e-30f ? s : 1e-30f;
+    const float div = s > 1e-30f ? s : 1e-30f;
     for (int64_t d = 0; d < D; d++) {
         float y = x[d] / div, val;
         y = y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y);
@@ -154,9 +154,11 @@ void paged_write_kv8(const float *src_k, const float *src_v, int64_t T, int64_t 
     }
 }
 
+typedef struct { float *scores, *acc, *mx, *sum; } RowsState; /* paged_attention.c */
+RowsState rows_state(int64_t group, int64_t D, int64_t rows);
 void attend_rows(const float *qs, int64_t group, int64_t D, const float *k, const float *v, int64_t st,
-                 int64_t rows, float scale, float *scores, float *acc, float *mx, float *sum);
-void finish_rows(const float *acc, const float *sum, int64_t group, int64_t D, float *out); /* paged_attention.c */
+                 int64_t rows, float scale, RowsState *state);
+void finish_rows(const RowsState *state, int64_t group, int64_t D, float *out);
 
 /* Rows t0 .. t1-1 (offsets in one block) of one head of K or V, dequantized into out [rows, D]. */
 static void dequantize_rows(const uint8_t *base, int64_t st, int64_t sd, const float *scale, int64_t sst,
@@ -188,10 +190,7 @@ void paged_decode_attention_kv8(const float *q, int64_t nseq, int64_t nh, int64_
         const int64_t len = seq_lens[s];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
         float *kf = malloc(sizeof(float) * block_size * D * 2), *vf = kf + block_size * D;
-        float *scores = malloc(sizeof(float) * block_size);
-        float *acc = calloc(group * D, sizeof(float));
-        float *mx = malloc(sizeof(float) * group), *sum = calloc(group, sizeof(float));
-        for (int64_t i = 0; i < group; i++) mx[i] = -INFINITY;
+        RowsState state = rows_state(group, D, block_size);
         const float *qs = q + (s * nh + g * group) * D;
         for (int64_t t0 = start; t0 < len;) {
             const int64_t b = t0 / block_size;
@@ -202,10 +201,11 @@ void paged_decode_attention_kv8(const float *q, int64_t nseq, int64_t nh, int64_
                             o0, o1, D, fp8, kf);
             dequantize_rows((const uint8_t *)c->v + blk * c->vsb + g * c->vsh, c->vst, c->vsd,
                             c->v_scale + blk * c->ssb + g * c->ssh, c->sst, o0, o1, D, fp8, vf);
-            attend_rows(qs, group, D, kf, vf, D, t1 - t0, scale, scores, acc, mx, sum);
+            attend_rows(qs, group, D, kf, vf, D, t1 - t0, scale, &state);
             t0 = t1;
         }
-        finish_rows(acc, sum, group, D, out + (s * nh + g * group) * D);
-        free(kf); free(scores); free(acc); free(mx); free(sum);
+        finish_rows(&state, group, D, out + (s * nh + g * group) * D);
+        free(kf);
+        free(state.scores);
     }
 }
