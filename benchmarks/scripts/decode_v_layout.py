@@ -11,31 +11,21 @@ from functools import partial
 from kvos.bench.roofline import cuda_median_ms, measure_ceilings
 import torch, triton
 from kvos.kernels import decode_attention as D
-from kvos.kernels.kv_quant import quantize
+from paged_kv_fixture import quantized_pool
 
 torch.manual_seed(0)
 dev = "cuda"
 timed = partial(cuda_median_ms, reps=30)
 H, KVH, HD, BS = 32, 8, 128, 16
 NB = 36000
-
-
-
-
-
-
 bw = measure_ceilings(dev)["hbm_GBps"] * 1e9
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 vb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 print(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "copy_tb_s": bw / 1e12}), flush=True)
 caches = {}
 for dt in ("fp8_e4m3", "int8"):
-    parts = [[quantize(x[i: i + 1000], dt) for i in range(0, NB, 1000)] for x in (kb, vb)]
-    (kq, ks), (vq, vs) = [(torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])) for ps in parts]
-    ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ks, vs))
-    vt = vq.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    caches[dt] = (kq, vq, vt, ks, vs)
-    del parts
+    kq, vq, ks, vs = quantized_pool(kb, vb, dt, chunk=1000)
+    caches[dt] = (kq, vq, vq.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), ks, vs)
 for batch, ctx in ((1, 8192), (64, 2048), (64, 8192), (64, 32768), (256, 2048), (256, 8192), (32, 16384)):
     tables = torch.randint(1, NB, (batch, ctx // BS), dtype=torch.int32, device=dev)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)

@@ -9,10 +9,10 @@ import json
 from functools import partial
 
 import torch
+from paged_kv_fixture import quantized_pool
 
 from kvos.bench.roofline import cuda_median_ms
 from kvos.kernels import prefill_attention as P
-from kvos.kernels.kv_quant import quantize
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -20,9 +20,7 @@ timed = partial(cuda_median_ms, reps=15, warmup=2)
 H, KVH, HD, BS, NB = 32, 8, 128, 16, 20000
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 vb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
-parts = [[quantize(x[i: i + 1000], "fp8_e4m3") for i in range(0, NB, 1000)] for x in (kb, vb)]
-(kq, ks), (vq, vs) = [(torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])) for ps in parts]
-ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ks, vs))
+kq, vq, ks, vs = quantized_pool(kb, vb, "fp8_e4m3", chunk=1000)
 vq = vq.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 print(json.dumps({"gpu": torch.cuda.get_device_name()}), flush=True)
 SHAPES = ((1, 64, 16384), (1, 128, 16384), (1, 256, 16384), (1, 512, 16384), (1, 2048, 16384),

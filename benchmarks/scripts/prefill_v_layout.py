@@ -12,22 +12,16 @@ from kvos.bench.roofline import cuda_median_ms
 import torch
 from kvos.kernels import prefill_attention as P
 from kvos.kernels.cache_write import write_kv
-from kvos.kernels.kv_quant import quantize
+from paged_kv_fixture import quantized_pool
 
 torch.manual_seed(0)
 dev = "cuda"
 timed = partial(cuda_median_ms, reps=15, warmup=2)
 H, KVH, HD, BS = 32, 8, 128, 16
 NB = 20000
-
-
-
-
 kb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
 vb = torch.randn(NB, BS, KVH, HD, device=dev, dtype=torch.bfloat16)
-parts = [[quantize(x[i: i + 1000], "fp8_e4m3") for i in range(0, NB, 1000)] for x in (kb, vb)]
-(kq, ks), (vq, vs) = [(torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])) for ps in parts]
-ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ks, vs))
+kq, vq, ks, vs = quantized_pool(kb, vb, "fp8_e4m3", chunk=1000)
 vt = vq.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 for nseq, chunk, ctx in ((1, 2048, 16384), (1, 2048, 4096), (4, 2048, 2048), (1, 8192, 8192)):
     tables = torch.randint(1, NB, (nseq, ctx // BS), dtype=torch.int32, device=dev)
