@@ -5,7 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvos.kernels import pdl
 from kvos.kernels.kv_quant import FP8_SCALE_CANDIDATES, MIN_SCALE, QMAX, kv_dtype_of
+from kvos.kernels.pdl import wait_for_previous
 
 FP8_WRITE_WARPS = 1
 """Warps per program of the fp8 write: one warp holds a row, so the search's sums reduce within
@@ -123,12 +125,13 @@ def _write_kv_kernel(
     head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
     QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND: tl.constexpr, FP8_CANDIDATES: tl.constexpr,
-    HW_CVT: tl.constexpr = True,
+    HW_CVT: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     """One program copies one token's K and V row of one kv head. QUANT: quantizes each row
     (``_quantize_row``; fp8 when FP8_CANDIDATES > 0: ``_quantize_row_fp8``, into uint8 views of the
     caches) and stores its scale too; otherwise the scale arguments are never read. HW_CVT: the fp8
     search's compiled arithmetic (False under Triton's interpreter; same bytes)."""
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -206,5 +209,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
         QUANT=kv_dtype is not None, QMAX=QMAX[kv_dtype] if kv_dtype else 0.0,
         MIN_SCALE=MIN_SCALE, ROUND=kv_dtype == "int8", FP8_CANDIDATES=FP8_SCALE_CANDIDATES if fp8 else 0,
-        HW_CVT=not triton.knobs.runtime.interpret, num_warps=FP8_WRITE_WARPS if fp8 else 4,
+        HW_CVT=not triton.knobs.runtime.interpret, num_warps=FP8_WRITE_WARPS if fp8 else 4, **pdl.launch_args(k),
     )

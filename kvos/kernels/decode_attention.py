@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvos.kernels import pdl
+from kvos.kernels.pdl import wait_for_previous
 from kvos.kernels.tile_attention import (
     LOG2E,
     V_FOLD,
@@ -98,7 +100,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
-    DOT_FP16: tl.constexpr, INT8_FP16: tl.constexpr, V_PAGES: tl.constexpr,
+    DOT_FP16: tl.constexpr, INT8_FP16: tl.constexpr, V_PAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (b, kv head, split): the group's query heads over one slice of the context.
 
@@ -117,6 +119,7 @@ def _decode_split_kernel(
     block are read and hidden (every range masked per row), so they must hold finite values and
     scales, as every position below a sequence's length does.
     """
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -186,10 +189,11 @@ def _decode_combine_kernel(
     stride_ob, stride_oh, stride_od,
     num_heads,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (b, head): merge the splits' partial outputs, weighted by exp2(lse - max lse).
     Empty splits (lse = -inf) weigh 0; a row whose splits are all empty gets zeros."""
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -298,12 +302,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=dot_precision(q.dtype),
         HAS_WINDOW=bool(window), QUANT=k_scale is not None, DOT_FP16=dot_fp16, INT8_FP16=int8_fp16,
         V_PAGES=v_pages(v_cache, tiles.block_n),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch, **pdl.launch_args(q),
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, num_heads)](
             part_out, part_lse, out, *out.stride(), num_heads,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            HEAD_DIM=head_dim, num_warps=4,
+            HEAD_DIM=head_dim, num_warps=4, **pdl.launch_args(q),
         )
     return out

@@ -16,6 +16,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvos.kernels import pdl
+from kvos.kernels.pdl import wait_for_previous
+
 # Elements one program handles in its main block (per row block for RMSNorm, per half-head block
 # for rotary, per row for SiLU-and-mul).
 _RMS_BLOCK = 1024
@@ -23,7 +26,7 @@ _ROPE_BLOCK = 1024
 _GATED_BLOCK = 1024
 # torch's float exp is CUDA's expf, which libdevice's exp is; tl.exp is a faster approximation.
 # The interpreter has no libdevice, so it uses tl.exp (numpy's exp).
-_LIBDEVICE_EXP = not triton.knobs.runtime.interpret
+LIBDEVICE_EXP = not triton.knobs.runtime.interpret
 
 
 @triton.jit
@@ -39,10 +42,11 @@ def _rms_norm_kernel(
     sx_t, sx_h, sr_t, sr_h, so_t, so_h, sro_t, sro_h,
     eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr,
-    WEIGHT_FIRST: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """ROWS rows of N per program; row r is (t, h) = divmod(r, heads) in each tensor's strides.
     WEIGHT_FIRST (Gemma): the float32 weight multiplies before the one rounding to x's dtype."""
+    wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t = rows // heads
@@ -110,7 +114,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x, res, out, res_out, weight, n_rows, heads,
         sx_t, sx_h, *_as_rows(res)[2:], *_as_rows(out)[2:], *_as_rows(res_out)[2:],
         eps, N=N, BLOCK_N=block_n, ROWS=rows, HAS_RES=residual is not None, WEIGHT_FIRST=weight_first,
-        num_warps=min(16, max(1, rows * block_n // 512)), enable_fp_fusion=False,
+        num_warps=min(16, max(1, rows * block_n // 512)), enable_fp_fusion=False, **pdl.launch_args(x),
     )
     return out if residual is None else (out, residual_out)
 
@@ -138,9 +142,10 @@ def _rotate_heads(ptr, t, h0, n_heads, s_t, s_h, c1, c2, s1, s2,
 def _rope_kernel(
     pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
     n_q_heads, n_k_heads, sq_t, sq_h, sk_t, sk_h, s_cs,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (t, b): head block b of token t, q's blocks first, then k's."""
+    wait_for_previous(PDL)
     dtype = q_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -185,25 +190,34 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     _rope_kernel[grid](
         positions, q, k, cos, sin, n_q, n_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), HALF=D // 2, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q),
     )
     return q, k
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx_t, so_t, BLOCK: tl.constexpr,
-                         LIBDEVICE: tl.constexpr):
+                         LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, b): columns b*BLOCK .. of token t's ``[gate | up]`` row."""
+    wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(x_ptr + t * sx_t + cols, mask=mask).to(tl.float32)
     u = tl.load(x_ptr + t * sx_t + inter + cols, mask=mask).to(tl.float32)
-    # torch's silu: x / (1 + exp(-x)) in float32 with an IEEE division, rounded to the dtype.
+    tl.store(out_ptr + t * so_t + cols, silu_mul_rounded(g, u, dtype, LIBDEVICE).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def silu_mul_rounded(g, u, dtype: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``silu(g) * u`` of float32 g and u, rounded to dtype as torch rounds it (the silu, then the
+    product), widened back to float32. torch's silu: x / (1 + exp(-x)) in float32 with an IEEE
+    division."""
     e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
     s = _round(tl.math.div_rn(g, 1.0 + e), dtype)
-    tl.store(out_ptr + t * so_t + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+    return _round(s * u, dtype)
 
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,29 +237,38 @@ def _gated(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     assert out.shape == (T, inter) and out.dtype == x.dtype and out.stride(1) == 1
     block = min(_GATED_BLOCK, triton.next_power_of_2(inter))
     kernel[(T, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
-                                          LIBDEVICE=_LIBDEVICE_EXP, num_warps=4)
+                                          LIBDEVICE=LIBDEVICE_EXP, num_warps=4, **pdl.launch_args(x))
     return out
 
 
 @triton.jit
 def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, inter, sx_t, so_t, BLOCK: tl.constexpr,
-                              LIBDEVICE: tl.constexpr):
+                              LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, b): columns b*BLOCK .. of token t's ``[gate | up]`` row."""
+    wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(x_ptr + t * sx_t + cols, mask=mask).to(tl.float32)
     u = tl.load(x_ptr + t * sx_t + inter + cols, mask=mask).to(tl.float32)
-    # torch's CUDA gelu(approximate="tanh") in float32: kBeta = float(sqrt(2) * 2/sqrt(pi) * 0.5),
-    # inner = kBeta * (x + kKappa * x^3), 0.5 * x * (1 + tanh(inner)); tanhf is libdevice's tanh.
+    tl.store(out_ptr + t * so_t + cols, gelu_tanh_mul_rounded(g, u, dtype, LIBDEVICE).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def gelu_tanh_mul_rounded(g, u, dtype: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``gelu_tanh(g) * u`` of float32 g and u, rounded to dtype as torch rounds it, widened back
+    to float32. torch's CUDA gelu(approximate="tanh") in float32: kBeta = float(sqrt(2) *
+    2/sqrt(pi) * 0.5), inner = kBeta * (x + kKappa * x^3), 0.5 * x * (1 + tanh(inner)); tanhf is
+    libdevice's tanh."""
     inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
     if LIBDEVICE:
         th = libdevice.tanh(inner)
     else:  # the interpreter: tanh from exp (saturated to avoid overflow)
         th = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.maximum(inner, -20.0), 20.0)) + 1.0)
     y = _round(0.5 * g * (1.0 + th), dtype)
-    tl.store(out_ptr + t * so_t + cols, (y * u).to(out_ptr.dtype.element_ty), mask=mask)
+    return _round(y * u, dtype)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -112,11 +112,11 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, act_and_mul=ops.silu_and_mul) -> None:
         super().__init__()
         self.gate_up_proj = ops.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = ops.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = ops.GatedLinear(cfg.intermediate_size, cfg.hidden_size, act_and_mul, bias=False)
         self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))  # the activation is down_proj's (GatedLinear)
 
 
 class DecoderLayer(nn.Module):
@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (type(layer) is not DecoderLayer or type(a) is not Attention or type(mlp) is not MLP
                     or a.q_norm is not None or mlp.act_and_mul is not ops.silu_and_mul
-                    or any(type(lin) is not ops.Linear or lin.blocks is None or lin.bias is not None
+                    or any(type(lin) not in (ops.Linear, ops.GatedLinear) or lin.blocks is None or lin.bias is not None
                            or lin._forward_hooks for lin in linears)
                     or c is None or c.quantized != kv_caches[0].quantized):
                 break

@@ -124,6 +124,10 @@ FEW_ROWS = 64
 BLOCK_WEIGHT_ROWS = 64
 """Up to this many rows, a CPU linear layer with block-quantized weights uses them (``Linear``)."""
 
+ONE_ROW_KERNEL = True
+"""A 16-bit linear layer on a GPU multiplies one row with ``kvos.kernels.gemv`` (one stream of
+the weights) instead of cuBLAS (``Linear``, ``GatedLinear``)."""
+
 
 class Linear(torch.nn.Linear):
     """``nn.Linear`` with two CPU paths for float32 inputs of few rows (decode steps):
@@ -149,6 +153,11 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+            if ONE_ROW_KERNEL and use_kernels(x) and x.dim() == 2 and x.shape[0] == 1:
+                from kvos.kernels import gemv
+
+                if gemv.applies(x, self.weight):
+                    return gemv.matmul(x, self.weight, self.bias)
             return super().forward(x)
         rows = x.shape[0]
         if self.blocks is not None and 0 < rows <= BLOCK_WEIGHT_ROWS and kernels_available():
@@ -158,3 +167,26 @@ class Linear(torch.nn.Linear):
         else:
             return super().forward(x)
         return out if self.bias is None else out.add_(self.bias)
+
+
+class GatedLinear(Linear):
+    """A linear layer whose input is ``[gate | up]``: ``forward(x) = linear(act_and_mul(x))``
+    (an MLP's down projection with its activation). ``act_and_mul`` is ``silu_and_mul`` or
+    ``gelu_tanh_and_mul``; on a GPU one row runs as one kernel that applies the activation as it
+    reads (the same values as the two steps, ``kvos.kernels.gemv``). Forward hooks see the
+    output as for ``Linear``."""
+
+    _FUSED = {"silu_and_mul": "silu", "gelu_tanh_and_mul": "gelu_tanh"}
+
+    def __init__(self, in_features: int, out_features: int, act_and_mul, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.act_and_mul = act_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = self._FUSED.get(getattr(self.act_and_mul, "__name__", ""))
+        if ONE_ROW_KERNEL and act is not None and use_kernels(x) and x.dim() == 2 and x.shape[0] == 1:
+            from kvos.kernels import gemv
+
+            if gemv.applies(x, self.weight, act):
+                return gemv.matmul(x, self.weight, self.bias, activation=act)
+        return super().forward(self.act_and_mul(x))
