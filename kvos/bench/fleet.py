@@ -58,7 +58,7 @@ from kvos.bench.serve import percentiles
 from kvos.router.config import RouterConfig
 from kvos.router.policies import ROUTERS
 
-ROUTER_SETTINGS = ("kv_weight", "router_balance")
+ROUTER_SETTINGS = ("kv_weight", "router_balance", "router_queue_weight")
 """The ``RouterConfig`` fields every run shares (the router itself varies: --routers)."""
 
 
@@ -250,7 +250,8 @@ async def run_fleet(kw: dict, wl: Workload, a: argparse.Namespace, router: str, 
 
     rc = RouterConfig(router, **config_kwargs(a, RouterConfig, ROUTER_SETTINGS))
     dp = DataParallelEngine(kw, num_engines, rc.router, kv_weight=rc.kv_weight, prefill_engines=prefill_engines,
-                            transport=a.transport, router_balance=rc.router_balance, kv_transfer=a.kv_transfer)
+                            transport=a.transport, router_balance=rc.router_balance, kv_transfer=a.kv_transfer,
+                            router_queue_weight=rc.router_queue_weight)
     startup = time.perf_counter() - t0
     dp.start()
     try:

@@ -38,11 +38,19 @@ import time
 from pathlib import Path
 
 from kvos.bench.job_pool import job_pool
-from kvos.config.flags import add_engine_args, engine_kwargs
-from kvos.router.policies import DEFAULT_BALANCE, ROUTERS
+from kvos.config.flags import (
+    add_config_args,
+    add_engine_args,
+    config_kwargs,
+    engine_kwargs,
+)
+from kvos.router.config import RouterConfig
+from kvos.router.policies import ROUTERS
 
 ENGINE_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
 """The ``EngineConfig`` fields of each simulated engine that the command takes."""
+ROUTER_SETTINGS = ("router_balance", "router_queue_weight")
+"""The ``RouterConfig`` fields the command takes (the overlap weights are ``--kv-weights``)."""
 
 TRACES = {"conversation": "mooncake_conversation.jsonl.gz", "synthetic": "mooncake_synthetic.jsonl.gz"}
 REFERENCE = "one engine, all the memory"
@@ -68,6 +76,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration-requests", type=int, default=2000,
                    help="requests of the trace whose saturated one-engine throughput sets the capacity")
     add_engine_args(p, ENGINE_FIELDS)
+    add_config_args(p, RouterConfig, ROUTER_SETTINGS)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--output", default="benchmarks/results/routing.json")
     p.add_argument("--plot", default="benchmarks/plots/routing.png")
@@ -107,7 +116,7 @@ def _capacity(args: tuple) -> float:
 
 
 def _one(args: tuple) -> dict:
-    trace_path, limit, engines, router, weight, blocks, time_scale, engine = args
+    trace_path, limit, engines, router, weight, blocks, time_scale, engine, settings = args
     from kvos.sim.fleet import FleetSimulator
     from kvos.sim.simulator import SimConfig, Simulator
 
@@ -118,7 +127,8 @@ def _one(args: tuple) -> dict:
         r = Simulator(trace, cfg, cost).run()
     else:
         cfg = SimConfig.of(block_size=512, num_blocks=blocks, time_scale=time_scale, **engine)
-        r = FleetSimulator(trace, cfg, cost, engines, router, 1.0 if weight is None else weight).run()
+        r = FleetSimulator(trace, cfg, cost, engines, router, 1.0 if weight is None else weight,
+                           balance=settings["router_balance"], queue_weight=settings["router_queue_weight"]).run()
     row = {"engines": engines, "router": router, "kv_weight": weight, "time_scale": cfg.time_scale,
            "label": label(router, weight)}
     row.update({k: r.get(k) for k in KEEP})
@@ -161,7 +171,8 @@ def run(a: argparse.Namespace) -> dict:
         trace_rps = len(trace) / span if span > 0 else float(len(trace))
         scales = {n: a.time_scale if a.time_scale is not None else trace_rps / (a.load * n * per_engine_rps)
                   for n in a.engines}
-        jobs = [(path, a.limit, n, r, w, blocks, scales[n], engine_kwargs(a, ENGINE_FIELDS))
+        settings = config_kwargs(a, RouterConfig, ROUTER_SETTINGS)
+        jobs = [(path, a.limit, n, r, w, blocks, scales[n], engine_kwargs(a, ENGINE_FIELDS), settings)
                 for n in a.engines for r in [REFERENCE, *a.routers]
                 for w in (a.kv_weights if r in WEIGHTED else [None])]
         rows = list(pool.map(_one, jobs))
@@ -170,7 +181,7 @@ def run(a: argparse.Namespace) -> dict:
     print(table(a.trace, rows, blocks, bound))
     report = {"bench": "routing", "machine": machine_info(), "trace": a.trace, "limit": a.limit,
               "num_requests": len(trace), "block_size": 512, "blocks_per_engine": blocks,
-              "model": "llama-3.1-8b", "gpu": "H100-80G", "kv_weights": a.kv_weights, "router_balance": DEFAULT_BALANCE,
+              "model": "llama-3.1-8b", "gpu": "H100-80G", "kv_weights": a.kv_weights, **settings,
               "load": a.load,
               "per_engine_rps": per_engine_rps, "trace_rps": trace_rps, "time_scales": scales,
               "upper_bound_block_hit_rate": bound, "wall_s": time.perf_counter() - t0,

@@ -11,7 +11,11 @@ from collections.abc import Sequence
 from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
 from kvos.distributed.dp_engine import DataParallelEngine
-from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT
+from kvos.router.policies import (
+    DEFAULT_BALANCE,
+    DEFAULT_KV_WEIGHT,
+    DEFAULT_QUEUE_WEIGHT,
+)
 
 
 class DataParallelLLM:
@@ -19,7 +23,8 @@ class DataParallelLLM:
     ``router``; ``prefill_engines`` > 0 adds engines that only prefill (disaggregated);
     ``encoder_engines`` > 0 adds engines that only run a vision model's image encoder (E/PD).
     ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray). ``kv_weight``
-    and ``router_balance``: kv_aware's cost weight and balance guard (``kvos.router.policies``).
+    ``router_balance`` and ``router_queue_weight``: kv_aware's cost weights and balance guard
+    (``kvos.router.policies``).
     ``kv_transfer``: how prefill engines hand blocks over (``DataParallelEngine.kv_transfer``).
 
     The ``DataParallelEngine`` lives on an event loop of its own thread; ``generate`` submits
@@ -30,11 +35,12 @@ class DataParallelLLM:
     def __init__(self, num_engines: int = 2, router: str = "kv_aware", prefill_engines: int = 0,
                  ray_address: str | None = None, transport: str = "ray", kv_weight: float = DEFAULT_KV_WEIGHT,
                  router_balance: tuple[int, float] = DEFAULT_BALANCE, encoder_engines: int = 0,
-                 kv_transfer: str = "auto", **engine_kwargs) -> None:
+                 kv_transfer: str = "auto", router_queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+                 **engine_kwargs) -> None:
         self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address, kv_weight,
                                          prefill_engines=prefill_engines, transport=transport,
                                          router_balance=router_balance, encoder_engines=encoder_engines,
-                                         kv_transfer=kv_transfer)
+                                         kv_transfer=kv_transfer, router_queue_weight=router_queue_weight)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvos-dp-loop", daemon=True)
         self._thread.start()

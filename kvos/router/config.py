@@ -1,5 +1,5 @@
 """``RouterConfig``: a fleet's router settings, the one source of the ``--router``,
-``--kv-weight`` and ``--router-balance`` flags (``kvos.config.flags.add_config_args``)."""
+``--kv-weight``, ``--router-balance`` and ``--router-queue-weight`` flags (``kvos.config.flags.add_config_args``)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ from kvos.router.policies import (
     DEFAULT_BALANCE_ABS,
     DEFAULT_BALANCE_REL,
     DEFAULT_KV_WEIGHT,
+    DEFAULT_QUEUE_WEIGHT,
     ROUTERS,
     Router,
     balance_error,
@@ -36,8 +37,8 @@ ROUTER_FLAGS = "router (several engines)"  # the CLI's argument group for these 
 
 @dataclass
 class RouterConfig:
-    """Which router spreads requests over a fleet's engines, and its settings. ``kv_weight`` and
-    ``router_balance`` apply to kv_aware and approx (``kvos.router.policies.KVAware``)."""
+    """Which router spreads requests over a fleet's engines, and its settings. ``kv_weight``,
+    ``router_balance`` and ``router_queue_weight`` apply to kv_aware and approx (``kvos.router.policies.KVAware``)."""
 
     router: str = field(default="kv_aware", metadata={
         "choices": ROUTERS, "group": ROUTER_FLAGS,
@@ -52,6 +53,10 @@ class RouterConfig:
         "help": "kv_aware/approx balance guard: an engine with more than ABS requests over the least loaded one "
                 f"and over REL times its count is not chosen (default {DEFAULT_BALANCE_ABS},"
                 f"{DEFAULT_BALANCE_REL:g}; REL 0: off)"})
+    router_queue_weight: float = field(default=DEFAULT_QUEUE_WEIGHT, metadata={
+        "group": ROUTER_FLAGS,
+        "help": "kv_aware/approx: what a block of an engine's queued prefill costs against a block of the request's "
+                "own (lower: a request stays with its cached prefix behind a longer queue; Dynamo's is 1)"})
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -60,9 +65,11 @@ class RouterConfig:
             raise ValueError(f"kv_weight must be >= 0, got {self.kv_weight}")
         if (err := balance_error(*self.router_balance)) is not None:
             raise ValueError(f"router_balance: {err}")
+        if self.router_queue_weight < 0:
+            raise ValueError(f"router_queue_weight must be >= 0, got {self.router_queue_weight}")
 
     def build(self, num_engines: int, block_size: int = 16, capacity_blocks: int = 2000) -> Router:
         """The router for ``num_engines`` engines of ``block_size``-token blocks; approx remembers
         ``capacity_blocks`` blocks per engine."""
         return make_router(self.router, num_engines, block_size, self.kv_weight, capacity_blocks,
-                           self.router_balance)
+                           self.router_balance, self.router_queue_weight)

@@ -56,7 +56,7 @@ class Router(ABC):
 
     @classmethod
     def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
-               balance: tuple[int, float]) -> Router:
+               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> Router:
         """A router of this class from every router setting (``make_router``'s); override when
         the constructor takes any beyond the engines and the block size."""
         return cls(num_engines, block_size)
@@ -184,8 +184,9 @@ class KVAware(Router):
 
     @classmethod
     def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
-               balance: tuple[int, float]) -> Router:
-        return cls(num_engines, block_size, overlap_weight, balance_abs=balance[0], balance_rel=balance[1])
+               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> Router:
+        return cls(num_engines, block_size, overlap_weight, queue_weight, balance_abs=balance[0],
+                   balance_rel=balance[1])
 
     def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
                  queue_weight: float = DEFAULT_QUEUE_WEIGHT, balance_abs: int = DEFAULT_BALANCE_ABS,
@@ -264,12 +265,14 @@ class Approx(KVAware):
 
     @classmethod
     def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
-               balance: tuple[int, float]) -> Router:
-        return cls(num_engines, block_size, overlap_weight, capacity_blocks, balance)
+               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> Router:
+        return cls(num_engines, block_size, overlap_weight, capacity_blocks, balance, queue_weight)
 
     def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
-                 capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE) -> None:
-        super().__init__(num_engines, block_size, overlap_weight, balance_abs=balance[0], balance_rel=balance[1])
+                 capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE,
+                 queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> None:
+        super().__init__(num_engines, block_size, overlap_weight, queue_weight, balance_abs=balance[0],
+                         balance_rel=balance[1])
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
@@ -311,11 +314,13 @@ class Approx(KVAware):
 
 
 def make_router(name: str, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
-                capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE) -> Router:
-    """A router by name (``ROUTERS``); ``overlap_weight`` and ``balance`` (the guard's requests
-    over the least loaded engine and ratio; ratio 0: off) apply to kv_aware and approx,
-    ``capacity_blocks`` (the blocks approx remembers per engine) to approx."""
+                capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE,
+                queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> Router:
+    """A router by name (``ROUTERS``); ``overlap_weight``, ``queue_weight`` (what a block of an
+    engine's queued prefill costs) and ``balance`` (the guard's requests over the least loaded
+    engine and ratio; ratio 0: off) apply to kv_aware and approx, ``capacity_blocks`` (the
+    blocks approx remembers per engine) to approx."""
     cls = ROUTERS.get(name)
     if cls is None:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
-    return cls.create(num_engines, block_size, overlap_weight, capacity_blocks, balance)
+    return cls.create(num_engines, block_size, overlap_weight, capacity_blocks, balance, queue_weight)

@@ -21,7 +21,12 @@ from tqdm.auto import tqdm
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.router.config import RouterConfig
-from kvos.router.policies import DEFAULT_BALANCE, DEFAULT_KV_WEIGHT, Router
+from kvos.router.policies import (
+    DEFAULT_BALANCE,
+    DEFAULT_KV_WEIGHT,
+    DEFAULT_QUEUE_WEIGHT,
+    Router,
+)
 from kvos.sim.cost_model import CostModel
 from kvos.sim.simulator import SIM_MODEL_ID, EngineSim, SimConfig, percentiles
 from kvos.sim.traces import TraceRequest
@@ -36,7 +41,7 @@ def imbalance(xs: list[float]) -> float:
 class FleetSimulator:
     """``num_engines`` engines of ``config`` each (pool sizes are per engine) behind ``router``
     (a ``Router``; a ``RouterConfig``; or a name from ``kvos.router.ROUTERS`` built with
-    ``overlap_weight`` and the balance guard ``balance``); approx remembers ``approx_capacity``
+    ``overlap_weight``, ``queue_weight`` and the balance guard ``balance``); approx remembers ``approx_capacity``
     blocks per engine (default: the engine's pool size).
 
     Invariant: each accepted request is admitted to exactly one engine, at its arrival time.
@@ -44,7 +49,8 @@ class FleetSimulator:
 
     def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel, num_engines: int,
                  router: Router | RouterConfig | str = "kv_aware", overlap_weight: float = DEFAULT_KV_WEIGHT,
-                 approx_capacity: int | None = None, balance: tuple[int, float] = DEFAULT_BALANCE) -> None:
+                 approx_capacity: int | None = None, balance: tuple[int, float] = DEFAULT_BALANCE,
+                 queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> None:
         if not trace:
             raise ValueError("trace: no requests")
         if num_engines < 1:
@@ -56,7 +62,7 @@ class FleetSimulator:
         self.cfg = config
         self.engines = [EngineSim(self.trace, config, cost) for _ in range(num_engines)]
         if isinstance(router, str):
-            router = RouterConfig(router, overlap_weight, balance)
+            router = RouterConfig(router, overlap_weight, balance, queue_weight)
         if isinstance(router, RouterConfig):
             capacity = approx_capacity or config.num_blocks or self.engines[0].kv.pool.num_blocks
             router = router.build(num_engines, config.block_size, capacity)

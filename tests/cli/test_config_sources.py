@@ -103,12 +103,19 @@ def test_simulator_engine_defaults_are_the_engines():
 
 
 def test_router_flags_parse_and_check():
-    a = build_parser().parse_args(["serve", "--router", "approx", "--kv-weight", "2", "--router-balance", "5,3"])
-    assert RouterConfig(a.router, a.kv_weight, a.router_balance) == RouterConfig("approx", 2.0, (5, 3.0))
+    a = build_parser().parse_args(["serve", "--router", "approx", "--kv-weight", "2", "--router-balance", "5,3",
+                                   "--router-queue-weight", "0.1"])
+    config = RouterConfig(a.router, a.kv_weight, a.router_balance, a.router_queue_weight)
+    assert config == RouterConfig("approx", 2.0, (5, 3.0), 0.1)
+    router = config.build(3, 16)  # every setting reaches the router the fleet uses
+    assert (router.overlap_weight, router.balance_abs, router.balance_rel, router.queue_weight) == (2.0, 5, 3.0, 0.1)
+    assert RouterConfig("kv_aware", router_queue_weight=0.5).build(2).queue_weight == 0.5
     with pytest.raises(ValueError, match="router must be one of"):
         RouterConfig("random")
     with pytest.raises(ValueError, match="router_balance"):
         RouterConfig(router_balance=(-1, 2.0))
+    with pytest.raises(ValueError, match="router_queue_weight"):
+        RouterConfig(router_queue_weight=-0.5)
 
 
 # -- (b) the scheduler's config comes from EngineConfig ----------------------------------------

@@ -36,8 +36,9 @@ def test_prefill_engine_hands_its_blocks_to_the_decode_engine(llm, kv_transfer):
     refs = llm.generate(PROMPTS, sp, use_tqdm=False)
     landed = "transfer" if kv_transfer == "auto" else "device"  # where the moved blocks are found
     with DataParallelLLM(1, "kv_aware", prefill_engines=1, ray_address="local", num_blocks=128,
-                         kv_transfer=kv_transfer) as dp:
+                         kv_transfer=kv_transfer, router_queue_weight=0.1) as dp:
         assert dp.engine.kv_transfer == ("host" if kv_transfer == "auto" else "p2p")
+        assert dp.engine.router.queue_weight == dp.engine.prefill_router.queue_weight == 0.1
         outs = dp.generate(PROMPTS, sp)
         stats = dp.stats()
         blocks = 0
