@@ -42,8 +42,8 @@ class GemvTiles(NamedTuple):
 
 
 def tiles_for(n: int, k: int) -> GemvTiles:
-    """The launch shape for ``W [n, k]``: the best of seven, or within 1% of it, on every
-    Llama-3.1-8B weight on the H200 (``benchmarks/scripts/gemv_rows.py``): 16 x 256 for the wide
+    """The launch shape for ``W [n, k]``: the best of seven on each Llama-3.1-8B weight on the
+    H200 (``benchmarks/scripts/gemv_rows.py``): 16 x 256 for the wide
     matrices (gate_up, the output layer), 16 x 512 with 8 warps for the long rows (down), else
     8 x 512 with 4 warps (qkv, o)."""
     if n >= 16384:

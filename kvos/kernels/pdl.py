@@ -23,20 +23,26 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.cache
-def _device_supports(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+def _enabled_on(index: int) -> bool:
+    return (not triton.knobs.runtime.interpret and os.environ.get("KVOS_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(index) >= (9, 0))
 
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether kernels over ``x`` are launched dependently: a CUDA device of compute capability
-    9.0 or later, compiled (not the interpreter), and ``KVOS_PDL`` not ``0``."""
-    return (x.is_cuda and not triton.knobs.runtime.interpret and os.environ.get("KVOS_PDL", "1") != "0"
-            and _device_supports(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    9.0 or later, compiled (not the interpreter), and ``KVOS_PDL`` not ``0`` (read once per
+    process and device)."""
+    return x.is_cuda and _enabled_on(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False}
 
 
 def launch_args(x: torch.Tensor) -> dict:
-    """The launch keywords for a kernel over ``x`` that starts with ``wait_for_previous(PDL)``."""
-    return {"PDL": True, "launch_pdl": True} if enabled(x) else {"PDL": False}
+    """The launch keywords for a kernel over ``x`` that starts with ``wait_for_previous(PDL)``
+    (a shared dict: unpack it, do not change it)."""
+    return _ON if enabled(x) else _OFF
 
 
 @triton.jit
