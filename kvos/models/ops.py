@@ -176,14 +176,14 @@ class GatedLinear(Linear):
     reads (the same values as the two steps, ``kvos.kernels.gemv``). Forward hooks see the
     output as for ``Linear``."""
 
-    _FUSED = {"silu_and_mul": "silu", "gelu_tanh_and_mul": "gelu_tanh"}
+    _FUSED = {silu_and_mul: "silu", gelu_tanh_and_mul: "gelu_tanh"}
 
     def __init__(self, in_features: int, out_features: int, act_and_mul, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self._FUSED.get(getattr(self.act_and_mul, "__name__", ""))
+        act = self._FUSED.get(self.act_and_mul)
         if ONE_ROW_KERNEL and act is not None and use_kernels(x) and x.dim() == 2 and x.shape[0] == 1:
             from kvos.kernels import gemv
 
