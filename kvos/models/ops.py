@@ -151,14 +151,20 @@ class Linear(torch.nn.Linear):
                              f"{tuple(self.weight.shape)}")
         self.blocks = blocks
 
+    def one_row_product(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor | None:
+        """``kvos.kernels.gemv``'s product of one 16-bit row on a GPU (``activation``: x is
+        ``[gate | up]``), or None where that kernel does not apply."""
+        if ONE_ROW_KERNEL and x.dim() == 2 and x.shape[0] == 1 and use_kernels(x):
+            from kvos.kernels import gemv
+
+            if gemv.applies(x, self.weight, activation):
+                return gemv.matmul(x, self.weight, self.bias, activation=activation)
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
-            if ONE_ROW_KERNEL and use_kernels(x) and x.dim() == 2 and x.shape[0] == 1:
-                from kvos.kernels import gemv
-
-                if gemv.applies(x, self.weight):
-                    return gemv.matmul(x, self.weight, self.bias)
-            return super().forward(x)
+            out = self.one_row_product(x)
+            return out if out is not None else super().forward(x)
         rows = x.shape[0]
         if self.blocks is not None and 0 < rows <= BLOCK_WEIGHT_ROWS and kernels_available():
             out = quant_matmul(x, self.blocks)
@@ -184,9 +190,5 @@ class GatedLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = self._FUSED.get(self.act_and_mul)
-        if ONE_ROW_KERNEL and act is not None and use_kernels(x) and x.dim() == 2 and x.shape[0] == 1:
-            from kvos.kernels import gemv
-
-            if gemv.applies(x, self.weight, act):
-                return gemv.matmul(x, self.weight, self.bias, activation=act)
-        return super().forward(self.act_and_mul(x))
+        out = self.one_row_product(x, act) if act is not None else None
+        return out if out is not None else super().forward(self.act_and_mul(x))
