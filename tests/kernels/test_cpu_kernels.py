@@ -1,6 +1,6 @@
 """The CPU C kernels against their definitions: GGUF blocks kept as stored equal gguf's float32
-dequantization bit for bit; products with them equal a float64 product of those weights within
-float32 rounding; paged decode attention equals the torch reference backend (GQA, windows,
+dequantization bit for bit; products with them (one row of x: from its 16-bit integer parts) equal a
+float64 product of those weights within float32 rounding; paged decode attention equals the torch reference backend (GQA, windows,
 shuffled blocks, a page-major pool's strides); rotary equals its torch definition bit for bit,
 the norm within rounding. Skipped where the kernels cannot be built (no compiler or no AVX2)."""
 from __future__ import annotations
@@ -72,11 +72,15 @@ def _weight(form: str, n: int, k: int, seed: int) -> BlockQuantWeight:
 @pytest.mark.parametrize("form", ["u4", "i8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9])
 def test_matmul_equals_float64_product_of_the_same_weights(form, rows):
-    w = _weight(form, 201, 576, seed=rows)  # odd: the last row of W has no pair
+    w = _weight(form, 201, 576, seed=rows)  # odd: one row of x takes W two rows at a time, the last alone
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(7))
+    x[:, 40] *= 30  # an outlier: one row's 16-bit parts (quant_matmul.c) get coarser steps in its block
     wf = dequantize(w).double()
     want = x.double() @ wf.T
-    bound = 4e-7 * 576 * (x.double().abs() @ wf.abs().T)  # float32 sums of 576 products
+    # float32 sums of 576 products: their worst case is 576 roundings of 6e-8, but rounding in
+    # random directions stays near 1e-7 (seen: 0.8-2.6e-7); 2e-6 still fails one row's 16-bit
+    # activations without their low parts (1.9e-5)
+    bound = 2e-6 * (x.double().abs() @ wf.abs().T)
     got = matmul(x, w)
     assert got.shape == (rows, 201) and got.dtype == torch.float32
     assert ((got.double() - want).abs() <= bound).all()

@@ -5,15 +5,23 @@
  *   u4 form: w = q * D + M, q in 0..15, two per byte (a block's elements 0-15 in the low nibbles
  *            of its 16 bytes, 16-31 in the high ones: GGUF's Q4_1 / Q4_K order);
  *   i8 form: w = q * D, q a signed byte (Q8_0, Q5_0, Q4_0, Q6_K once expanded).
- * Each weight is rebuilt in float32 with one rounding per operation, the same operations in the
- * same order as the float32 dequantization of the GGUF formats (multiply, then add: this file
- * is built with -ffp-contract=off, so no multiply-add is fused except the explicit ones that
- * accumulate products), so the product uses exactly the weights of the float32 model; only the
- * order of the sum over K differs from a BLAS call.
  *
  * out[M, N] = x[M, K] @ W[N, K]^T. K is a multiple of 32. Rows of W are split over threads.
- * Up to 4 rows of x: each block of W is rebuilt in registers and used at once; more rows: each
- * row of W is rebuilt once into a stack buffer (K floats) that all rows of x then read from L1.
+ * Three paths, by the number of rows of x:
+ *   - one row (a decode step of one sequence): x is split into two 16-bit integers per value
+ *     (quantize_rows: 31 bits against its block's largest magnitude, below float32's rounding)
+ *     and each block's quants are multiplied with them in integers (vpmaddwd), exactly; one
+ *     float32 multiply-add per block then applies D and x's scale, and for u4 the M term is M
+ *     times x's float32 block sum. The same sum as with the float32 weights, rounded otherwise
+ *     (within float32 rounding of the products, not bit for bit). Two rows of W at a time.
+ *   - 2-4 rows: each block of W is rebuilt in float32 in registers and used at once by every row.
+ *   - more rows: each row of W is rebuilt into a stack buffer (K floats) that all rows of x
+ *     then read from L1.
+ * Rebuilt weights take one rounding per operation, the same operations in the same order as the
+ * float32 dequantization of the GGUF formats (multiply, then add: this file is built with
+ * -ffp-contract=off, so no multiply-add is fused except the explicit ones that accumulate
+ * products), so those products use exactly the weights of the float32 model; only the order of
+ * the sum over K differs from a BLAS call.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -91,7 +99,122 @@ I8_ROW(2)
 I8_ROW(3)
 I8_ROW(4)
 
-/* Row n of W rebuilt into w [K] (the same float32 values as the fused paths above). */
+/* Activation rows for the fused paths as two 16-bit integers per value, per block of 32:
+ *   x[i] ~ s[b] * (hi[i] + lo[i] / 32768),  s[b] = max |x| over the block / 32767,
+ * hi = x / s rounded to the nearest integer, lo = the remainder (within +-1/2) times 32768,
+ * rounded: 31 bits against the block's largest magnitude, so what is lost is below float32's
+ * own rounding of x / s. Each block of a row takes 64 int16: hi then lo, each in the order the
+ * quants are widened in (elements 0-7, 16-23, 8-15, 24-31); a row takes 2K. */
+static void quantize_rows(const float *x, int64_t R, int64_t K, int16_t *a, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), lo_scale = _mm256_set1_ps(32768.0f);
+    for (int64_t blk = 0; blk < R * K / 32; blk++) {
+        const float *xb = x + blk * 32;
+        __m256 v[4];
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(xb + 8 * j);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        s[blk] = top / 32767.0f;
+        const __m256 inv = _mm256_set1_ps(top > 0 ? 32767.0f / top : 0.0f);
+        __m256i hi[4], lo[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256 t = _mm256_mul_ps(v[j], inv);
+            hi[j] = _mm256_cvtps_epi32(t); /* to nearest; |t| <= 32767 up to rounding */
+            lo[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(t, _mm256_cvtepi32_ps(hi[j])), lo_scale));
+        }
+        /* [e0-3 | e16-19] and [e4-7 | e20-23] packed: e0-7 | e16-23; likewise e8-15 | e24-31 */
+        __m256i *out = (__m256i *)(a + blk * 64);
+        __m256i *parts[2] = {hi, lo};
+        for (int p = 0; p < 2; p++) {
+            const __m256i *i = parts[p];
+            _mm256_storeu_si256(out + 2 * p, _mm256_packs_epi32(_mm256_permute2x128_si256(i[0], i[2], 0x20),
+                                                                _mm256_permute2x128_si256(i[0], i[2], 0x31)));
+            _mm256_storeu_si256(out + 2 * p + 1, _mm256_packs_epi32(_mm256_permute2x128_si256(i[1], i[3], 0x20),
+                                                                    _mm256_permute2x128_si256(i[1], i[3], 0x31)));
+        }
+    }
+}
+
+/* q_b . x_b's integer parts from a block's widened quants w and x's 64 int16 (quantize_rows),
+ * as float32: hi's sum plus lo's / 32768. Each sum is exact in int32 (u4: below 2^25; i8: below
+ * 2^28, rounded once on conversion). */
+static inline __m256 block_dot(const __m256i w[2], const int16_t *xb) {
+    const __m256i *v = (const __m256i *)xb;
+    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(v)),
+                                        _mm256_madd_epi16(w[1], _mm256_loadu_si256(v + 1)));
+    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(v + 2)),
+                                        _mm256_madd_epi16(w[1], _mm256_loadu_si256(v + 3)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(1.0f / 32768), _mm256_cvtepi32_ps(hi));
+}
+
+/* Block b's 32 quants widened to 16 bits in quantize_rows' order: w[0] elements 0-7 | 16-23,
+ * w[1] 8-15 | 24-31. u4: the block's 16 bytes in both 128-bit lanes, the low lane keeping the
+ * low nibbles (elements 0-15) and the high lane the high ones (16-31). */
+static inline void u4_quants(const uint8_t *q, int64_t b, __m256i w[2]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)));
+    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(v, shifts), low);
+    w[0] = _mm256_unpacklo_epi8(nib, _mm256_setzero_si256());
+    w[1] = _mm256_unpackhi_epi8(nib, _mm256_setzero_si256());
+}
+
+static inline void i8_quants(const int8_t *q, int64_t b, __m256i w[2]) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+    const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v);
+    w[0] = _mm256_unpacklo_epi8(v, sign);
+    w[1] = _mm256_unpackhi_epi8(v, sign);
+}
+
+/* sx[b] = the sum of x's block b (float32: four 8-lane vectors added pairwise, then the lanes). */
+static void block_sums(const float *x, int64_t K, float *sx) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + b * 32;
+        const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                       _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+        sx[b] = hsum(s);
+    }
+}
+
+/* sum over b of p[b] * c[b], b < n. */
+static inline float dot(const float *p, const float *c, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(p + b), _mm256_loadu_ps(c + b), acc);
+    float t = hsum(acc);
+    for (; b < n; b++) t += p[b] * c[b];
+    return t;
+}
+
+/* Rows n and n + 1 of W against one row of x from its 16-bit parts (a, s; quantize_rows):
+ *   w . x = sum over blocks b of D[b] * s[b] * (q_b . (hi_b + lo_b / 32768))  +  M[b] * sum(x_b)
+ * (MTERM: the M term, u4 only, from x's float32 block sums). Two rows of W at once share x's
+ * loads and overlap their sums' latencies. AHEAD: an address in the next pair's
+ * quants, prefetched (a pair reads two streams of W; without it the LM head's, from memory,
+ * ran at half the speed). Prefetching past the end of W is harmless. */
+#define PAIR_BODY(QUANTS0, QUANTS1, AHEAD, MTERM0, MTERM1)                                 \
+    {                                                                                      \
+        const int64_t nb = K / 32;                                                         \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                     \
+        for (int64_t b = 0; b < nb; b++) {                                                 \
+            __m256i w[2], v[2];                                                            \
+            QUANTS0;                                                                       \
+            QUANTS1;                                                                       \
+            _mm_prefetch((const char *)(AHEAD), _MM_HINT_T0);                              \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d[b] * s[b]), block_dot(w, a + b * 64), acc0);\
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d[nb + b] * s[b]), block_dot(v, a + b * 64), acc1);\
+        }                                                                                  \
+        out[0] = hsum(acc0) MTERM0;                                                        \
+        out[1] = hsum(acc1) MTERM1;                                                        \
+    }
+static void u4_pair(const int16_t *a, const float *s, const float *sx, int64_t K, const uint8_t *q,
+                    const float *d, const float *m, float *out)
+    PAIR_BODY(u4_quants(q, b, w), u4_quants(q + K / 2, b, v), q + K + 32 * b, + dot(m, sx, nb), + dot(m + nb, sx, nb))
+static void i8_pair(const int16_t *a, const float *s, int64_t K, const int8_t *q, const float *d, float *out)
+    PAIR_BODY(i8_quants(q, b, w), i8_quants(q + K, b, v), q + 2 * K + 64 * b, , )
+
+/* Row n of W rebuilt into w [K] (the same float32 values as u4_block / i8_block). */
 static void u4_dequant_row(const uint8_t *q, const float *d, const float *m, int64_t K, float *w) {
     for (int64_t b = 0; b < K / 32; b++) {
         __m256 v[4];
@@ -165,6 +288,17 @@ void u4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const flo
         }
         return;
     }
+    if (M == 1) {
+        int16_t a[2 * K];
+        float s[nb], sx[nb];
+        quantize_rows(x, 1, K, a, s);
+        block_sums(x, K, sx);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t n = 0; n < N - 1; n += 2)
+            u4_pair(a, s, sx, K, q + n * (K / 2), d + n * nb, m + n * nb, out + n);
+        if (N % 2) u4_row_1(x, K, q + (N - 1) * (K / 2), d + (N - 1) * nb, m + (N - 1) * nb, out + N - 1, N);
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *qn = q + n * (K / 2);
@@ -192,6 +326,15 @@ void i8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const floa
             if (pair) i8_dequant_row(q + (n + 1) * K, d + (n + 1) * nb, K, w1);
             float_rows_times_rows(w0, pair ? w1 : 0, x, M, K, out + n, N);
         }
+        return;
+    }
+    if (M == 1) {
+        int16_t a[2 * K];
+        float s[nb];
+        quantize_rows(x, 1, K, a, s);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t n = 0; n < N - 1; n += 2) i8_pair(a, s, K, q + n * K, d + n * nb, out + n);
+        if (N % 2) i8_row_1(x, K, q + (N - 1) * K, d + (N - 1) * nb, out + N - 1, N);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads)

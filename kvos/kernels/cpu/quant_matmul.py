@@ -3,8 +3,10 @@ definition.
 
 A ``BlockQuantWeight`` holds ``W [N, K]`` in blocks of 32 along K: ``u4`` (``w = q * D + M``,
 q 0..15, two per byte) or ``i8`` (``w = q * D``, q a signed byte). ``dequantize`` is the
-numerical definition; ``matmul`` uses exactly those float32 weights (only the order of the sum
-over K differs from ``x @ dequantize(w).T``)."""
+numerical definition. ``matmul`` with 2 or more rows of x uses exactly those float32 weights
+(only the order of the sum over K differs from ``x @ dequantize(w).T``); with one row it
+multiplies the quants with x's two 16-bit integer parts per value in integers and applies the
+scales per block: the same sum, within float32 rounding (``quant_matmul.c``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
