@@ -189,7 +189,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                     prefill_engines=a.prefill_engines or 0, transport=transport,
                                     router_balance=router.router_balance, engine_timeout_s=a.engine_timeout_s,
                                     max_restarts=a.engine_max_restarts, encoder_engines=a.encoder_engines or 0,
-                                    kv_transfer=a.kv_transfer, router_queue_weight=router.router_queue_weight)
+                                    kv_transfer=a.kv_transfer, router_queue_weight=router.router_queue_weight,
+                                    router_shared_balance=router.router_shared_balance,
+                                    router_shared_threshold=router.router_shared_threshold)
         model_path = (resolve_config_path if kwargs.get("random_weights") else resolve_model_path)(kwargs["model"])
     else:
         local = LLMEngine(EngineConfig(**engine_kwargs(a)))

@@ -58,7 +58,8 @@ from kvos.bench.serve import percentiles
 from kvos.router.config import RouterConfig
 from kvos.router.policies import ROUTERS
 
-ROUTER_SETTINGS = ("kv_weight", "router_balance", "router_queue_weight")
+ROUTER_SETTINGS = ("kv_weight", "router_balance", "router_queue_weight", "router_shared_balance",
+                   "router_shared_threshold")
 """The ``RouterConfig`` fields every run shares (the router itself varies: --routers)."""
 
 
@@ -251,7 +252,8 @@ async def run_fleet(kw: dict, wl: Workload, a: argparse.Namespace, router: str, 
     rc = RouterConfig(router, **config_kwargs(a, RouterConfig, ROUTER_SETTINGS))
     dp = DataParallelEngine(kw, num_engines, rc.router, kv_weight=rc.kv_weight, prefill_engines=prefill_engines,
                             transport=a.transport, router_balance=rc.router_balance, kv_transfer=a.kv_transfer,
-                            router_queue_weight=rc.router_queue_weight)
+                            router_queue_weight=rc.router_queue_weight, router_shared_balance=rc.router_shared_balance,
+                            router_shared_threshold=rc.router_shared_threshold)
     startup = time.perf_counter() - t0
     dp.start()
     try:

@@ -44,6 +44,8 @@ from kvos.router.policies import (
     DEFAULT_BALANCE,
     DEFAULT_KV_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
+    DEFAULT_SHARED_BALANCE,
+    DEFAULT_SHARED_THRESHOLD,
     Router,
     make_router,
 )
@@ -154,7 +156,9 @@ class DataParallelEngine:
                  poll_s: float = 0.2, prefill_engines: int = 0, transport: str = "ray",
                  router_balance: tuple[int, float] = DEFAULT_BALANCE,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S, encoder_engines: int = 0,
-                 kv_transfer: str = "auto", router_queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> None:
+                 kv_transfer: str = "auto", router_queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+                 router_shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
+                 router_shared_threshold: int = DEFAULT_SHARED_THRESHOLD) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_engines < 1:
@@ -212,10 +216,11 @@ class DataParallelEngine:
         or between hosts), host rows otherwise."""
         capacity = max(1, self.engine_stats[0].get("total") or 2000)  # approx remembers a pool's worth
         self.num_decode = num_engines
+        shared = (router_shared_balance, router_shared_threshold)
         self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity, router_balance,
-                                  router_queue_weight)
+                                  router_queue_weight, *shared)
         self.prefill_router = (make_router(router, prefill_engines, self.block_size, kv_weight, capacity, router_balance,
-                                           router_queue_weight) if prefill_engines else None)
+                                           router_queue_weight, *shared) if prefill_engines else None)
         self._engine_kwargs = kwargs[0]
         self.loads = [EngineLoad() for _ in range(total)]
         self.down = [False] * total

@@ -15,6 +15,8 @@ from kvos.router.policies import (
     DEFAULT_BALANCE,
     DEFAULT_KV_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
+    DEFAULT_SHARED_BALANCE,
+    DEFAULT_SHARED_THRESHOLD,
 )
 
 
@@ -23,8 +25,8 @@ class DataParallelLLM:
     ``router``; ``prefill_engines`` > 0 adds engines that only prefill (disaggregated);
     ``encoder_engines`` > 0 adds engines that only run a vision model's image encoder (E/PD).
     ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray). ``kv_weight``
-    ``router_balance`` and ``router_queue_weight``: kv_aware's cost weights and balance guard
-    (``kvos.router.policies``).
+    ``router_balance``, ``router_queue_weight``, ``router_shared_balance`` and
+    ``router_shared_threshold``: kv_aware's cost weights and balance guards (``kvos.router.policies``).
     ``kv_transfer``: how prefill engines hand blocks over (``DataParallelEngine.kv_transfer``).
 
     The ``DataParallelEngine`` lives on an event loop of its own thread; ``generate`` submits
@@ -36,11 +38,14 @@ class DataParallelLLM:
                  ray_address: str | None = None, transport: str = "ray", kv_weight: float = DEFAULT_KV_WEIGHT,
                  router_balance: tuple[int, float] = DEFAULT_BALANCE, encoder_engines: int = 0,
                  kv_transfer: str = "auto", router_queue_weight: float = DEFAULT_QUEUE_WEIGHT,
-                 **engine_kwargs) -> None:
+                 router_shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
+                 router_shared_threshold: int = DEFAULT_SHARED_THRESHOLD, **engine_kwargs) -> None:
         self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address, kv_weight,
                                          prefill_engines=prefill_engines, transport=transport,
                                          router_balance=router_balance, encoder_engines=encoder_engines,
-                                         kv_transfer=kv_transfer, router_queue_weight=router_queue_weight)
+                                         kv_transfer=kv_transfer, router_queue_weight=router_queue_weight,
+                                         router_shared_balance=router_shared_balance,
+                                         router_shared_threshold=router_shared_threshold)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvos-dp-loop", daemon=True)
         self._thread.start()

@@ -1,5 +1,6 @@
 """``RouterConfig``: a fleet's router settings, the one source of the ``--router``,
-``--kv-weight``, ``--router-balance`` and ``--router-queue-weight`` flags (``kvos.config.flags.add_config_args``)."""
+``--kv-weight``, ``--router-balance``, ``--router-queue-weight``, ``--router-shared-balance`` and
+``--router-shared-threshold`` flags (``kvos.config.flags.add_config_args``)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,8 @@ from kvos.router.policies import (
     DEFAULT_BALANCE_REL,
     DEFAULT_KV_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
+    DEFAULT_SHARED_BALANCE,
+    DEFAULT_SHARED_THRESHOLD,
     ROUTERS,
     Router,
     balance_error,
@@ -38,7 +41,8 @@ ROUTER_FLAGS = "router (several engines)"  # the CLI's argument group for these 
 @dataclass
 class RouterConfig:
     """Which router spreads requests over a fleet's engines, and its settings. ``kv_weight``,
-    ``router_balance`` and ``router_queue_weight`` apply to kv_aware and approx (``kvos.router.policies.KVAware``)."""
+    ``router_balance``, ``router_queue_weight``, ``router_shared_balance`` and
+    ``router_shared_threshold`` apply to kv_aware and approx (``kvos.router.policies.KVAware``)."""
 
     router: str = field(default="kv_aware", metadata={
         "choices": ROUTERS, "group": ROUTER_FLAGS,
@@ -46,8 +50,8 @@ class RouterConfig:
                 "against its load; approx: the same from the router's own record, no events"})
     kv_weight: float = field(default=DEFAULT_KV_WEIGHT, metadata={
         "group": ROUTER_FLAGS,
-        "help": "kv_aware/approx: weight of the prefill an engine would do (prompt blocks it lacks plus a quarter "
-                "of its queued prefill) against its active decode blocks"})
+        "help": "kv_aware/approx: weight of the prefill an engine would do (prompt blocks it lacks plus "
+                "--router-queue-weight times its queued prefill) against its active decode blocks"})
     router_balance: tuple[int, float] = field(default=DEFAULT_BALANCE, metadata={
         "type": parse_balance, "metavar": "ABS,REL", "group": ROUTER_FLAGS,
         "help": "kv_aware/approx balance guard: an engine with more than ABS requests over the least loaded one "
@@ -56,7 +60,18 @@ class RouterConfig:
     router_queue_weight: float = field(default=DEFAULT_QUEUE_WEIGHT, metadata={
         "group": ROUTER_FLAGS,
         "help": "kv_aware/approx: what a block of an engine's queued prefill costs against a block of the request's "
-                "own (lower: a request stays with its cached prefix behind a longer queue; Dynamo's is 1)"})
+                f"own (lower: a request stays with its cached prefix behind a longer queue; default "
+                f"{DEFAULT_QUEUE_WEIGHT:g}; Dynamo's is 1)"})
+    router_shared_balance: tuple[int, float] = field(default=DEFAULT_SHARED_BALANCE, metadata={
+        "type": parse_balance, "metavar": "ABS,REL", "group": ROUTER_FLAGS,
+        "help": "kv_aware/approx second balance guard, for shared prefixes: an engine over it (same rule as "
+                "--router-balance) is not chosen where the request's cached prefix there is shared (see "
+                f"--router-shared-threshold) (default {DEFAULT_SHARED_BALANCE[0]},{DEFAULT_SHARED_BALANCE[1]:g})"})
+    router_shared_threshold: int = field(default=DEFAULT_SHARED_THRESHOLD, metadata={
+        "metavar": "T", "group": ROUTER_FLAGS,
+        "help": "kv_aware/approx: a request's cached prefix on an engine is shared when its last block was in more "
+                "than T earlier requests (a hot system prompt); such an engine must pass --router-shared-balance "
+                f"too (default {DEFAULT_SHARED_THRESHOLD}; 0: off)"})
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -67,9 +82,15 @@ class RouterConfig:
             raise ValueError(f"router_balance: {err}")
         if self.router_queue_weight < 0:
             raise ValueError(f"router_queue_weight must be >= 0, got {self.router_queue_weight}")
+        if (err := balance_error(*self.router_shared_balance)) is not None:
+            raise ValueError(f"router_shared_balance: {err}")
+        if self.router_shared_threshold < 0:
+            raise ValueError(f"router_shared_threshold must be >= 0 (0: off), got {self.router_shared_threshold}")
 
     def build(self, num_engines: int, block_size: int = 16, capacity_blocks: int = 2000) -> Router:
-        """The router for ``num_engines`` engines of ``block_size``-token blocks; approx remembers
-        ``capacity_blocks`` blocks per engine."""
+        """The router for ``num_engines`` engines of ``block_size``-token blocks of which each
+        holds ``capacity_blocks`` (what approx remembers per engine; the shared-prefix guard
+        counts uses of that many blocks per engine)."""
         return make_router(self.router, num_engines, block_size, self.kv_weight, capacity_blocks,
-                           self.router_balance, self.router_queue_weight)
+                           self.router_balance, self.router_queue_weight, self.router_shared_balance,
+                           self.router_shared_threshold)

@@ -22,16 +22,25 @@ BlockHash = bytes
 DEFAULT_KV_WEIGHT = 64.0
 """kv_aware's default overlap weight (Dynamo's is 1; figures: benchmarks/routing.md)."""
 
-DEFAULT_QUEUE_WEIGHT = 0.25
+DEFAULT_QUEUE_WEIGHT = 0.1
 """What a block of an engine's pending prefill costs, against a block of the request's own
-prefill (Dynamo's cost: 1; figures: benchmarks/routing.md)."""
+prefill (Dynamo's cost: 1): low, so that a request stays with its cached prefix behind a
+longer queue (figures: benchmarks/policies.md, benchmarks/routing.md)."""
 
-DEFAULT_BALANCE_ABS = 8
-DEFAULT_BALANCE_REL = 2.0
+DEFAULT_BALANCE_ABS = 16
+DEFAULT_BALANCE_REL = 3.0
 """kv_aware's balance guard: an engine with more than ``DEFAULT_BALANCE_ABS`` requests (waiting
 and running) over the least loaded one, and over ``DEFAULT_BALANCE_REL`` times its count, is
-not chosen, whatever it holds, so hot prefixes spread (figures: benchmarks/routing.md)."""
+not chosen, whatever it holds. Loose, so that a conversation stays with its own prefix; hot
+shared prefixes spread by the tighter guard below (figures: benchmarks/policies.md)."""
 DEFAULT_BALANCE = (DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL)
+
+DEFAULT_SHARED_BALANCE = (8, 2.0)
+DEFAULT_SHARED_THRESHOLD = 8
+"""kv_aware's second balance guard, for shared prefixes only (``KVAware``): an engine over
+``DEFAULT_SHARED_BALANCE`` is also left out where the request's cached prefix there is shared,
+its last block in more than ``DEFAULT_SHARED_THRESHOLD`` earlier routed requests (0: the guard
+is off), so hot system prompts that first landed unevenly spread (figures: benchmarks/policies.md)."""
 
 
 def balance_error(balance_abs: int, balance_rel: float) -> str | None:
@@ -56,7 +65,9 @@ class Router(ABC):
 
     @classmethod
     def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
-               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> Router:
+               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+               shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
+               shared_threshold: int | None = DEFAULT_SHARED_THRESHOLD) -> Router:
         """A router of this class from every router setting (``make_router``'s); override when
         the constructor takes any beyond the engines and the block size."""
         return cls(num_engines, block_size)
@@ -175,8 +186,23 @@ class KVAware(Router):
     and by a factor over ``balance_rel`` are left out before the cost is compared; the least
     loaded engine is never left out. ``balance_rel`` 0 turns the guard off.
 
-    Invariant: ``index[e]`` equals engine ``e``'s prefix index after the last batch applied,
+    Shared-prefix guard (``shared_balance`` as ``(abs, rel)``, ``shared_threshold`` ``T``;
+    ``DEFAULT_SHARED_THRESHOLD``): with ``T`` > 0, an engine over the second guard
+    ``shared_balance`` (the same rule, computed over the live engines) is also left out when the
+    request's cached prefix there is shared: the last of its ``H_e`` blocks was in more than
+    ``T`` earlier routed requests (to any engine). A hot system prompt is cheap to compute once
+    more on a less loaded engine; a conversation's own history (in few requests) is not, so a
+    loose ``balance`` keeps conversations with their prefix while a tight ``shared_balance``
+    still spreads hot prompts. The least loaded engine passes both guards, so one is always
+    left. ``T`` 0 (or None) turns it off and keeps no counts.
+
+    Invariants: ``index[e]`` equals engine ``e``'s prefix index after the last batch applied,
     unless ``stale[e]`` (a batch was missed), in which case ``H_e`` counts 0 until a snapshot.
+    ``uses[h]`` counts the routed requests whose prompt held block ``h`` since ``h`` last
+    entered ``uses``; ``len(uses) <= capacity_blocks * num_engines`` (engine slots, removed ones
+    included), the least recently routed hashes dropped first (a dropped hash counts 0 again);
+    ``on_routed`` costs O(len(request_hashes)) amortized. A removed engine's blocks keep their
+    counts: they count requests, not engines.
     """
 
     name = "kv_aware"
@@ -184,13 +210,18 @@ class KVAware(Router):
 
     @classmethod
     def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
-               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> Router:
+               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+               shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
+               shared_threshold: int | None = DEFAULT_SHARED_THRESHOLD) -> Router:
         return cls(num_engines, block_size, overlap_weight, queue_weight, balance_abs=balance[0],
-                   balance_rel=balance[1])
+                   balance_rel=balance[1], shared_balance=shared_balance, shared_threshold=shared_threshold,
+                   capacity_blocks=capacity_blocks)
 
     def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
                  queue_weight: float = DEFAULT_QUEUE_WEIGHT, balance_abs: int = DEFAULT_BALANCE_ABS,
-                 balance_rel: float = DEFAULT_BALANCE_REL) -> None:
+                 balance_rel: float = DEFAULT_BALANCE_REL,
+                 shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
+                 shared_threshold: int | None = DEFAULT_SHARED_THRESHOLD, capacity_blocks: int = 2000) -> None:
         super().__init__(num_engines, block_size)
         if overlap_weight < 0:
             raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
@@ -198,10 +229,22 @@ class KVAware(Router):
             raise ValueError(f"queue_weight must be >= 0, got {queue_weight}")
         if (err := balance_error(balance_abs, balance_rel)) is not None:
             raise ValueError(err)
+        if (err := balance_error(*shared_balance)) is not None:
+            raise ValueError(f"shared_balance: {err}")
+        if shared_threshold is not None and shared_threshold < 0:
+            raise ValueError(f"shared_threshold must be >= 0 (0: off), got {shared_threshold}")
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.overlap_weight = overlap_weight
         self.queue_weight = queue_weight
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
+        self.shared_balance = tuple(shared_balance)
+        self.shared_threshold = shared_threshold or 0
+        self.capacity_blocks = capacity_blocks
+        self.uses: OrderedDict[BlockHash, int] = OrderedDict()
+        """Routed requests per prompt block hash, least recently routed first (the shared-prefix
+        guard's counts; empty while it is off)."""
         self.index: list[CachedBlockSet] = [CachedBlockSet() for _ in range(num_engines)]
         self.stale: list[bool] = [False] * num_engines
 
@@ -215,18 +258,48 @@ class KVAware(Router):
         prefill = self.queue_weight * load.prefill_tokens / self.block_size + len(request_hashes) - hits
         return self.overlap_weight * prefill + load.active_blocks
 
-    def balanced(self, engines: list[int], loads: list[EngineLoad]) -> list[int]:
-        """``engines`` less those the balance guard leaves out (the class docstring's rule)."""
-        if not self.balance_rel:
+    def balanced(self, engines: list[int], loads: list[EngineLoad],
+                 guard: tuple[int, float] | None = None) -> list[int]:
+        """``engines`` less those the balance guard (``guard``, default ``balance_abs``,
+        ``balance_rel``) leaves out (the class docstring's rule)."""
+        balance_abs, balance_rel = guard if guard is not None else (self.balance_abs, self.balance_rel)
+        if not balance_rel:
             return engines
         n = {e: loads[e].waiting + loads[e].running for e in engines}
         least = min(n.values())
-        return [e for e in engines if n[e] - least <= self.balance_abs or n[e] <= self.balance_rel * least]
+        return [e for e in engines if n[e] - least <= balance_abs or n[e] <= balance_rel * least]
+
+    def shared_prefix(self, engine: int, request_hashes: list[BlockHash]) -> bool:
+        """Whether the request's cached prefix on ``engine`` is shared: its last block was in
+        more than ``shared_threshold`` earlier routed requests (False with no prefix there)."""
+        hits = self.predicted_hits(engine, request_hashes)
+        return hits > 0 and self.uses.get(request_hashes[hits - 1], 0) > self.shared_threshold
+
+    def allowed(self, request_hashes: list[BlockHash], loads: list[EngineLoad]) -> list[int]:
+        """The live engines both guards leave in, in number order (never empty)."""
+        live = self._live()
+        engines = self.balanced(live, loads)
+        if not self.shared_threshold:
+            return engines
+        tight = set(self.balanced(live, loads, self.shared_balance))
+        return [e for e in engines if e in tight or not self.shared_prefix(e, request_hashes)]
 
     def choose(self, request_hashes: list[BlockHash], loads: list[EngineLoad]) -> int:
         bs = self.block_size
-        return min(self.balanced(self._live(), loads),
+        return min(self.allowed(request_hashes, loads),
                    key=lambda e: (self.cost(e, request_hashes, loads[e]), loads[e].blocks(bs), self.routed[e], e))
+
+    def on_routed(self, engine: int, request_hashes: list[BlockHash]) -> None:
+        super().on_routed(engine, request_hashes)
+        if not self.shared_threshold:
+            return
+        uses = self.uses
+        for h in request_hashes:
+            uses[h] = uses.get(h, 0) + 1
+            uses.move_to_end(h)
+        bound = self.capacity_blocks * self.num_engines
+        while len(uses) > bound:
+            uses.popitem(last=False)
 
     def on_events(self, engine: int, batch: KVEventBatch) -> bool:
         if self.stale[engine]:
@@ -265,17 +338,20 @@ class Approx(KVAware):
 
     @classmethod
     def create(cls, num_engines: int, block_size: int, overlap_weight: float, capacity_blocks: int,
-               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> Router:
-        return cls(num_engines, block_size, overlap_weight, capacity_blocks, balance, queue_weight)
+               balance: tuple[int, float], queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+               shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
+               shared_threshold: int | None = DEFAULT_SHARED_THRESHOLD) -> Router:
+        return cls(num_engines, block_size, overlap_weight, capacity_blocks, balance, queue_weight,
+                   shared_balance, shared_threshold)
 
     def __init__(self, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
                  capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE,
-                 queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> None:
+                 queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+                 shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
+                 shared_threshold: int | None = DEFAULT_SHARED_THRESHOLD) -> None:
         super().__init__(num_engines, block_size, overlap_weight, queue_weight, balance_abs=balance[0],
-                         balance_rel=balance[1])
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        self.capacity_blocks = capacity_blocks
+                         balance_rel=balance[1], shared_balance=shared_balance, shared_threshold=shared_threshold,
+                         capacity_blocks=capacity_blocks)
         self.sent: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(num_engines)]
 
     def predicted_hits(self, engine: int, request_hashes: list[BlockHash]) -> int:
@@ -315,12 +391,17 @@ class Approx(KVAware):
 
 def make_router(name: str, num_engines: int, block_size: int = 16, overlap_weight: float = DEFAULT_KV_WEIGHT,
                 capacity_blocks: int = 2000, balance: tuple[int, float] = DEFAULT_BALANCE,
-                queue_weight: float = DEFAULT_QUEUE_WEIGHT) -> Router:
+                queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+                shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
+                shared_threshold: int | None = DEFAULT_SHARED_THRESHOLD) -> Router:
     """A router by name (``ROUTERS``); ``overlap_weight``, ``queue_weight`` (what a block of an
-    engine's queued prefill costs) and ``balance`` (the guard's requests over the least loaded
-    engine and ratio; ratio 0: off) apply to kv_aware and approx, ``capacity_blocks`` (the
-    blocks approx remembers per engine) to approx."""
+    engine's queued prefill costs), ``balance`` (the guard's requests over the least loaded
+    engine and ratio; ratio 0: off) and the shared-prefix guard ``shared_balance`` with
+    ``shared_threshold`` (0: off) apply to kv_aware and approx; ``capacity_blocks`` (an engine's
+    pool in blocks) bounds what approx remembers per engine and the shared-prefix guard's counts
+    (``capacity_blocks`` per engine)."""
     cls = ROUTERS.get(name)
     if cls is None:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
-    return cls.create(num_engines, block_size, overlap_weight, capacity_blocks, balance, queue_weight)
+    return cls.create(num_engines, block_size, overlap_weight, capacity_blocks, balance, queue_weight,
+                      shared_balance, shared_threshold)

@@ -112,7 +112,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("a fleet of engines behind a router")
     f.add_argument("--engines", type=int, default=1, help="simulated engines (1: a single engine, no router)")
     f.add_argument("--approx-blocks", type=int, default=None,
-                   help="approx: prompt blocks remembered per engine (default: the engine's pool size)")
+                   help="approx: prompt blocks remembered per engine; kv_aware/approx: block use counts kept per "
+                        "engine by the shared-prefix guard (default: the engine's pool size)")
     add_config_args(p, RouterConfig)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -19,7 +19,11 @@ from kvos.router import (
     RoundRobin,
     make_router,
 )
-from kvos.router.policies import DEFAULT_QUEUE_WEIGHT
+from kvos.router.policies import (
+    DEFAULT_QUEUE_WEIGHT,
+    DEFAULT_SHARED_BALANCE,
+    DEFAULT_SHARED_THRESHOLD,
+)
 from kvos.sim.cost_model import CostModel
 from kvos.sim.fleet import FleetSimulator
 from kvos.sim.hardware import GPUS
@@ -137,19 +141,80 @@ def test_kv_aware_balance_guard_leaves_out_engines_loaded_past_both_thresholds()
         KVAware(2, balance_abs=-1)
 
 
+def test_shared_prefix_guard_moves_only_shared_prefixes_off_an_engine_over_the_tight_guard():
+    """Loose guard 16,3 for every request, tight 8,2 where the cached prefix on the loaded engine
+    is shared: its last block in more than T = 3 earlier routed requests."""
+    hot = list(range(8))  # a system prompt of 2 blocks
+    r = KVAware(3, block_size=4, balance_abs=16, balance_rel=3.0, shared_balance=(8, 2.0), shared_threshold=3)
+    first = hashes_of(hot + [100] * 4)  # conversation A's first turn: the prompt and 1 block of its own
+    follow = hashes_of(hot + [100] * 4 + [101] * 4)  # A's next turn: 3 blocks cached on engine 0
+    other = hashes_of(hot + [200] * 4)  # conversation B: only the prompt is cached on engine 0
+    assert r.on_events(0, stored(0, 1, first))
+    for req in (first, hashes_of(hot + [300] * 4), hashes_of(hot + [301] * 4)):  # 3 requests hold the prompt
+        r.on_routed(0, req)
+    assert (r.uses[first[1]], r.uses[first[2]], len(r.uses)) == (3, 1, 5)
+    loads = [EngineLoad(running=12), EngineLoad(running=2), EngineLoad(running=3)]  # 10 over 2 and 6x:
+    assert r.balanced([0, 1, 2], loads) == [0, 1, 2]  # in the loose guard,
+    assert r.balanced([0, 1, 2], loads, (8, 2.0)) == [1, 2]  # out of the tight one
+    assert r.predicted_hits(0, other) == 2 and not r.shared_prefix(0, other)
+    assert r.choose(other, loads) == 0  # the prompt's last block was in 3 requests, not more: it stays
+    r.on_routed(0, hashes_of(hot + [302] * 4))  # a 4th: the prompt is shared
+    assert r.shared_prefix(0, other) and r.allowed(other, loads) == [1, 2]
+    assert r.choose(other, loads) == 1  # moved off engine 0; 1 and 2 cost the same, 1 has the lower number
+    # A's own history: its last cached block was in 1 request (its first turn), so it stays
+    assert r.predicted_hits(0, follow) == 3 and not r.shared_prefix(0, follow)
+    assert r.choose(follow, loads) == 0
+    r.shared_threshold = 1
+    assert r.choose(follow, loads) == 0 and r.choose(other, loads) == 1
+    assert r.choose(follow, [EngineLoad(running=30), EngineLoad(running=2), IDLE]) == 1  # the loose guard still
+    off = KVAware(3, block_size=4, balance_abs=16, balance_rel=3.0, shared_threshold=0)  # the guard off
+    assert off.on_events(0, stored(0, 1, first))
+    for k in range(10):
+        off.on_routed(0, hashes_of(hot + [300 + k] * 4))
+    assert off.choose(other, loads) == 0 and not off.uses  # today's rule, no counts kept
+    with pytest.raises(ValueError, match="shared_threshold"):
+        KVAware(2, shared_threshold=-1)
+    with pytest.raises(ValueError, match="shared_balance: balance_rel"):
+        KVAware(2, shared_balance=(8, 0.5))
+
+
+def test_shared_prefix_counts_stay_within_their_bound():
+    """At most ``capacity_blocks`` hashes per engine slot, the least recently routed dropped
+    first; a hash routed again is refreshed; a dropped one counts from 0."""
+    r = KVAware(2, block_size=4, capacity_blocks=3, shared_threshold=1)
+    hot = hashes_of(list(range(4)))
+    for k in range(20):
+        r.on_routed(k % 2, hot)
+        r.on_routed(k % 2, hashes_of([1000 + k] * 8))  # 2 blocks of its own
+        assert len(r.uses) <= 6
+    assert len(r.uses) == 6 and r.uses[hot[0]] == 20  # the hot block stayed, counted every time
+    assert list(r.uses)[-2:] == hashes_of([1019] * 8)  # the most recent last
+    assert hashes_of([1000] * 8)[0] not in r.uses
+    r.on_routed(0, hashes_of([1000] * 8))  # back, counting from 0
+    assert r.uses[hashes_of([1000] * 8)[0]] == 1 and len(r.uses) == 6
+    r.on_engine_removed(1)  # counts of requests, not of engines: kept, and the slot still counts
+    assert r.uses[hot[0]] == 20 and len(r.uses) == 6
+    assert r.on_engine_added() == 2
+    for k in range(5):
+        r.on_routed(2, hashes_of([3000 + k] * 8))
+    assert len(r.uses) == 9
+
+
 def test_balance_guard_spreads_hot_prefixes_that_first_landed_three_to_one():
     """4 shared system prompts whose first requests land 3 to 1 on two engines (the second
     prompt's first request finds engine 0 idle, the last two find engine 1 busy), then 400
-    requests cycling over the 4 prompts, 20 ms apart; pools hold everything. Without the guard
-    each prompt stays where it was first computed; with it, the loaded engine's prompts get a
-    copy on the other, for one prefill each."""
+    requests cycling over the 4 prompts, 20 ms apart; pools hold everything. Without the guards
+    each prompt stays where it was first computed, and the default loose guard (16,3) alone does
+    not move them; with the shared-prefix guard (8,2 where the prompt was in more than 8
+    requests, the defaults) the loaded engine's prompts get a copy on the other, for one prefill each."""
     firsts = [TraceRequest(t, 416, 64, segments=[(i, 384), (1000 + i, 32)]) for i, t in enumerate([0, 1.0, 1.2, 1.25])]
     rest = [TraceRequest(2.5 + 0.02 * k, 416, 64, segments=[(k % 4, 384), (2000 + k, 32)]) for k in range(400)]
     cfg = sim_config(block_size=16, num_blocks=None)
-    off = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware", balance=(8, 0.0)).run()
+    off = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware", balance=(8, 0.0), shared_threshold=0).run()
+    loose = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware", shared_threshold=0).run()
     on = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware").run()
-    assert off["requests_per_engine"] == [303, 101]  # the case the guard is for
-    assert on["imbalance_requests"] <= 1.05
+    assert off["requests_per_engine"] == loose["requests_per_engine"] == [303, 101]  # the case the guard is for
+    assert on["shared_threshold"] == DEFAULT_SHARED_THRESHOLD > 0 and on["imbalance_requests"] <= 1.05
     bound = len(rest) * 24 / (len(firsts + rest) * 26)  # one unbounded cache: 24 of 26 blocks after each first
     assert on["block_hit_rate"] >= off["block_hit_rate"] - 0.005 and on["block_hit_rate"] <= bound + 1e-9
 
@@ -304,9 +369,10 @@ def test_cli_simulate_two_engines():
     args = ["simulate", "--trace", str(DATA / "mooncake_conversation.jsonl.gz"), "--limit", "120",
             "--block-size", "512", "--cache-blocks", "400", "--engines", "2", "--router", "kv_aware",
             "--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
-    out = json.loads(kvos(*args, "--json", "--kv-weight", "2", "--router-balance", "5,2"))
+    out = json.loads(kvos(*args, "--json", "--kv-weight", "2", "--router-balance", "5,2", "--router-shared-balance",
+                          "3,1.5", "--router-shared-threshold", "4"))
     assert out["num_engines"] == 2 and out["router"] == "kv_aware" and out["overlap_weight"] == 2.0
-    assert out["balance"] == [5, 2.0]
+    assert out["balance"] == [5, 2.0] and out["shared_balance"] == [3, 1.5] and out["shared_threshold"] == 4
     bad = subprocess.run([sys.executable, "-m", "kvos.cli", *args, "--router-balance", "5,0.5"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "--router-balance" in bad.stderr and "balance_rel must be 0 (off) or >= 1" in bad.stderr
@@ -321,6 +387,8 @@ def test_cli_bench_routing(tmp_path):
          "--blocks", "300", "--output", str(out), "--plot", str(png))
     report = json.loads(out.read_text())
     assert png.stat().st_size > 0 and report["machine"]
+    assert (report["router_shared_balance"], report["router_shared_threshold"]) == (
+        list(DEFAULT_SHARED_BALANCE), DEFAULT_SHARED_THRESHOLD)  # the settings it ran with
     rows = report["results"]
     assert {r["label"] for r in rows} == {"one engine, all the memory", "round_robin", "least_loaded",
                                          "kv_aware w=1", "kv_aware w=64", "approx w=1", "approx w=64"}
