@@ -68,18 +68,30 @@ heads, fp8 with V token-minor, one layer inside a CUDA graph, against the shape 
 latency of the gathered, converted tiles; larger tiles only pay off where the context is long."""
 
 
+HALF_TILES = DecodeTiles(64, 2, 3, 4)
+"""The 16-bit kernel's launch shape at head_dim 128: 64 keys per tile, two warps, three stages,
+splits for about 4 programs per SM. H200, Llama-3.1-8B heads, bf16, one layer inside a CUDA
+graph, against the shape before (64 keys, 4 warps, 2 stages, 2 per SM;
+``benchmarks/results/decode-tiles-bf16-h200.jsonl``), ms: 32 x 512 keys 0.0258 -> 0.0237,
+64 x 512 0.0420 -> 0.0444, 128 x 512 0.0741 -> 0.0708, 256 x 512 0.139 -> 0.132, 32 x 2K
+0.073 -> 0.070, 256 x 2K 0.531 -> 0.479, 64 x 8K 0.506 -> 0.489, 256 x 8K 2.08 -> 1.84, 64 x
+32K 2.04 -> 1.91 (random tables over 36,000 blocks: long contexts reread blocks, partly from L2)."""
+
+
 def decode_tiles(head_dim_pad: int, dtype: torch.dtype, quantized: bool) -> DecodeTiles:
     """The split kernel's launch shape. Keys per tile: 64, or 32 for 256-wide heads so
-    double-buffered K/V tiles stay small; 16-bit caches take two stages and two programs per
-    SM. 8-bit caches: ``QUANTIZED_TILES`` at head_dim 128 with 16-bit queries; otherwise twice
-    the 16-bit keys per tile (the same bytes per tile) and three stages. Every choice is the best
-    of a sweep (H100: ``benchmarks/scripts/sweep_quant_tiles.py``; H200: the probe in
-    ``QUANTIZED_TILES``)."""
+    double-buffered K/V tiles stay small. 16-bit caches: ``HALF_TILES`` at head_dim 128;
+    otherwise two stages and two programs per SM. 8-bit caches: ``QUANTIZED_TILES`` at head_dim 128 with
+    16-bit queries; otherwise twice the 16-bit keys per tile (the same bytes per tile) and three
+    stages. Every choice is the best of a sweep (H100: ``benchmarks/scripts/sweep_quant_tiles.py``;
+    H200: the probes in ``QUANTIZED_TILES`` and ``HALF_TILES``)."""
     block_n = 32 if head_dim_pad >= 256 else 64
     if quantized:
         if head_dim_pad == 128 and dtype != torch.float32:
             return QUANTIZED_TILES
         return DecodeTiles(2 * block_n, 4, 3, 2)
+    if head_dim_pad == 128 and dtype in (torch.bfloat16, torch.float16):
+        return HALF_TILES
     return DecodeTiles(block_n, 8 if dtype == torch.float32 else 4, 2, 2)
 
 

@@ -298,12 +298,16 @@ def test_decode_num_splits_heuristic():
     assert decode_num_splits(64, 8, 2048, 16, programs_per_sm=8) == 2  # 8 programs per SM: 3 splits, rounded down
 
 
-def test_decode_tiles_measured_shape_only_for_measured_8bit_heads():
+def test_decode_tiles_measured_shapes_only_for_measured_heads():
     measured = _decode.decode_tiles(128, torch.bfloat16, quantized=True)
     assert measured == _decode.QUANTIZED_TILES and measured.block_n % 16 == 0  # v_pages at block 16
+    for dtype in (torch.bfloat16, torch.float16):
+        assert _decode.decode_tiles(128, dtype, quantized=False) == _decode.HALF_TILES
     for other in (_decode.decode_tiles(256, torch.bfloat16, quantized=True),
                   _decode.decode_tiles(128, torch.float32, quantized=True),
-                  _decode.decode_tiles(128, torch.bfloat16, quantized=False)):
+                  _decode.decode_tiles(128, torch.float32, quantized=False),
+                  _decode.decode_tiles(64, torch.bfloat16, quantized=False),
+                  _decode.decode_tiles(256, torch.bfloat16, quantized=False)):
         assert other.num_stages <= 3 and other.programs_per_sm == 2 and other.max_registers is None
 
 
