@@ -86,6 +86,17 @@ def test_matmul_equals_float64_product_of_the_same_weights(form, rows):
     assert ((got.double() - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("form", ["u4", "i8"])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_nan_in_x_reaches_its_row_of_the_output(form, rows):
+    """As in a float32 product: one row's 16-bit integer parts must not turn a NaN into a number."""
+    w = _weight(form, 9, 64, seed=2)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3))
+    x[0, 37] = float("nan")
+    out = matmul(x, w)
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+
+
 def test_linear_takes_blocks_for_few_rows_and_its_float_weight_beyond():
     from kvos.models import ops
 

@@ -24,6 +24,7 @@
  * the sum over K differs from a BLAS call.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 static inline float hsum(__m256 v) {
@@ -116,7 +117,9 @@ static void quantize_rows(const float *x, int64_t R, int64_t K, int16_t *a, floa
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        s[blk] = top / 32767.0f;
+        const __m256 nan = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                        _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+        s[blk] = _mm256_movemask_ps(nan) ? NAN : top / 32767.0f; /* a NaN in x reaches the output */
         const __m256 inv = _mm256_set1_ps(top > 0 ? 32767.0f / top : 0.0f);
         __m256i hi[4], lo[4];
         for (int j = 0; j < 4; j++) {
