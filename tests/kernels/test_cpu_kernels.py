@@ -97,6 +97,23 @@ def test_a_nan_in_x_reaches_its_row_of_the_output(form, rows):
     assert out[0].isnan().all() and not out[1:].isnan().any()
 
 
+@pytest.mark.parametrize("form", ["u4", "i8"])
+def test_one_row_with_an_inf_or_tiny_values_is_a_float32_product(form):
+    """Where 16-bit parts cannot hold a row (an inf: 32767 / max is 0; values below 2^-100:
+    32767 / max overflows), one row gives what a float32 product gives: the signed infinities,
+    and tiny values within float32 rounding (not one shared wrong value)."""
+    w = _weight(form, 9, 64, seed=4)
+    wf = dequantize(w).double()
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
+    x[0, 3] = float("inf")
+    out = matmul(x, w)
+    signs = torch.sign(wf[:, 3])
+    assert torch.equal(torch.isinf(out[0]), signs != 0) and torch.equal(torch.sign(out[0][signs != 0]), signs[signs != 0].float())
+    tiny = torch.randn(1, 64, generator=torch.Generator().manual_seed(6)) * 1e-36
+    want = tiny.double() @ wf.T
+    assert ((matmul(tiny, w).double() - want).abs() <= 2e-6 * (tiny.double().abs() @ wf.abs().T)).all()
+
+
 def test_linear_takes_blocks_for_few_rows_and_its_float_weight_beyond():
     from kvos.models import ops
 
