@@ -40,6 +40,7 @@ from kvos.engine.media import (
     expand_image_text,
     media_items,
 )
+from kvos.router.config import RouterConfig
 from kvos.router.policies import (
     DEFAULT_BALANCE,
     DEFAULT_KV_WEIGHT,
@@ -47,7 +48,6 @@ from kvos.router.policies import (
     DEFAULT_SHARED_BALANCE,
     DEFAULT_SHARED_THRESHOLD,
     Router,
-    make_router,
 )
 
 log = logging.getLogger("kvos.distributed")
@@ -216,11 +216,10 @@ class DataParallelEngine:
         or between hosts), host rows otherwise."""
         capacity = max(1, self.engine_stats[0].get("total") or 2000)  # approx remembers a pool's worth
         self.num_decode = num_engines
-        shared = (router_shared_balance, router_shared_threshold)
-        self.router = make_router(router, num_engines, self.block_size, kv_weight, capacity, router_balance,
-                                  router_queue_weight, *shared)
-        self.prefill_router = (make_router(router, prefill_engines, self.block_size, kv_weight, capacity, router_balance,
-                                           router_queue_weight, *shared) if prefill_engines else None)
+        routing = RouterConfig(router, kv_weight, router_balance, router_queue_weight, router_shared_balance,
+                               router_shared_threshold)
+        self.router = routing.build(num_engines, self.block_size, capacity)
+        self.prefill_router = routing.build(prefill_engines, self.block_size, capacity) if prefill_engines else None
         self._engine_kwargs = kwargs[0]
         self.loads = [EngineLoad() for _ in range(total)]
         self.down = [False] * total
