@@ -185,13 +185,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         EngineConfig(**kwargs)  # bad options fail here, before any actor starts
         router = RouterConfig(**config_kwargs(a, RouterConfig))
         engine = DataParallelEngine(kwargs, (a.decode_engines or 1) if a.prefill_engines else a.data_parallel,
-                                    router.router, a.ray_address, router.kv_weight,
-                                    prefill_engines=a.prefill_engines or 0, transport=transport,
-                                    router_balance=router.router_balance, engine_timeout_s=a.engine_timeout_s,
+                                    router, a.ray_address, prefill_engines=a.prefill_engines or 0,
+                                    transport=transport, engine_timeout_s=a.engine_timeout_s,
                                     max_restarts=a.engine_max_restarts, encoder_engines=a.encoder_engines or 0,
-                                    kv_transfer=a.kv_transfer, router_queue_weight=router.router_queue_weight,
-                                    router_shared_balance=router.router_shared_balance,
-                                    router_shared_threshold=router.router_shared_threshold)
+                                    kv_transfer=a.kv_transfer)
         model_path = (resolve_config_path if kwargs.get("random_weights") else resolve_model_path)(kwargs["model"])
     else:
         local = LLMEngine(EngineConfig(**engine_kwargs(a)))

@@ -59,7 +59,7 @@ from kvos.router.config import RouterConfig
 from kvos.router.policies import ROUTERS
 
 ROUTER_SETTINGS = ("kv_weight", "router_balance", "router_queue_weight", "router_shared_balance",
-                   "router_shared_threshold")
+                   "router_shared_threshold", "router_sole_margin")
 """The ``RouterConfig`` fields every run shares (the router itself varies: --routers)."""
 
 
@@ -250,10 +250,8 @@ async def run_fleet(kw: dict, wl: Workload, a: argparse.Namespace, router: str, 
     from kvos.config.flags import config_kwargs
 
     rc = RouterConfig(router, **config_kwargs(a, RouterConfig, ROUTER_SETTINGS))
-    dp = DataParallelEngine(kw, num_engines, rc.router, kv_weight=rc.kv_weight, prefill_engines=prefill_engines,
-                            transport=a.transport, router_balance=rc.router_balance, kv_transfer=a.kv_transfer,
-                            router_queue_weight=rc.router_queue_weight, router_shared_balance=rc.router_shared_balance,
-                            router_shared_threshold=rc.router_shared_threshold)
+    dp = DataParallelEngine(kw, num_engines, rc, prefill_engines=prefill_engines, transport=a.transport,
+                            kv_transfer=a.kv_transfer)
     startup = time.perf_counter() - t0
     dp.start()
     try:

@@ -49,7 +49,8 @@ from kvos.router.policies import ROUTERS
 
 ENGINE_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
 """The ``EngineConfig`` fields of each simulated engine that the command takes."""
-ROUTER_SETTINGS = ("router_balance", "router_queue_weight", "router_shared_balance", "router_shared_threshold")
+ROUTER_SETTINGS = ("router_balance", "router_queue_weight", "router_shared_balance", "router_shared_threshold",
+                   "router_sole_margin")
 """The ``RouterConfig`` fields the command takes (the overlap weights are ``--kv-weights``)."""
 
 TRACES = {"conversation": "mooncake_conversation.jsonl.gz", "synthetic": "mooncake_synthetic.jsonl.gz"}
@@ -127,10 +128,8 @@ def _one(args: tuple) -> dict:
         r = Simulator(trace, cfg, cost).run()
     else:
         cfg = SimConfig.of(block_size=512, num_blocks=blocks, time_scale=time_scale, **engine)
-        r = FleetSimulator(trace, cfg, cost, engines, router, 1.0 if weight is None else weight,
-                           balance=settings["router_balance"], queue_weight=settings["router_queue_weight"],
-                           shared_balance=settings["router_shared_balance"],
-                           shared_threshold=settings["router_shared_threshold"]).run()
+        routing = RouterConfig(router, 1.0 if weight is None else weight, **settings)
+        r = FleetSimulator(trace, cfg, cost, engines, routing).run()
     row = {"engines": engines, "router": router, "kv_weight": weight, "time_scale": cfg.time_scale,
            "label": label(router, weight)}
     row.update({k: r.get(k) for k in KEEP})

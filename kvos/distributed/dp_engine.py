@@ -41,14 +41,7 @@ from kvos.engine.media import (
     media_items,
 )
 from kvos.router.config import RouterConfig
-from kvos.router.policies import (
-    DEFAULT_BALANCE,
-    DEFAULT_KV_WEIGHT,
-    DEFAULT_QUEUE_WEIGHT,
-    DEFAULT_SHARED_BALANCE,
-    DEFAULT_SHARED_THRESHOLD,
-    Router,
-)
+from kvos.router.policies import Router
 
 log = logging.getLogger("kvos.distributed")
 
@@ -111,7 +104,8 @@ class RouterStats:
 
 class DataParallelEngine:
     """``num_engines`` ``EngineWorker``s (one per GPU on a GPU host, else processes sharing the
-    CPUs) and a router (``kvos.router``) choosing one per request. ``transport="ray"``: actors
+    CPUs) and a router (``kvos.router``; ``router``: a ``RouterConfig``, or a router's name with
+    the default settings) choosing one per request. ``transport="ray"``: actors
     on the Ray cluster at ``address`` (``None``: start a local one, or join the one
     ``RAY_ADDRESS`` names); ``"process"``: local processes, no Ray (one engine this way puts
     the engine loop in a process of its own, off the HTTP server's interpreter).
@@ -151,14 +145,11 @@ class DataParallelEngine:
     ENCODER_MEMORY = 4096
     ENCODER_HOLDER_SLACK = 4
 
-    def __init__(self, engine_kwargs: dict, num_engines: int, router: str = "kv_aware",
-                 address: str | None = None, kv_weight: float = DEFAULT_KV_WEIGHT, max_restarts: int = 3,
-                 poll_s: float = 0.2, prefill_engines: int = 0, transport: str = "ray",
-                 router_balance: tuple[int, float] = DEFAULT_BALANCE,
-                 engine_timeout_s: float = ENGINE_TIMEOUT_S, encoder_engines: int = 0,
-                 kv_transfer: str = "auto", router_queue_weight: float = DEFAULT_QUEUE_WEIGHT,
-                 router_shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
-                 router_shared_threshold: int = DEFAULT_SHARED_THRESHOLD) -> None:
+    def __init__(self, engine_kwargs: dict, num_engines: int, router: RouterConfig | str = "kv_aware",
+                 address: str | None = None, max_restarts: int = 3, poll_s: float = 0.2, prefill_engines: int = 0,
+                 transport: str = "ray", engine_timeout_s: float = ENGINE_TIMEOUT_S, encoder_engines: int = 0,
+                 kv_transfer: str = "auto") -> None:
+        routing = router if isinstance(router, RouterConfig) else RouterConfig(router)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if num_engines < 1:
@@ -202,7 +193,7 @@ class DataParallelEngine:
                                       media_folder=self.info.media_folder, media_limits=self.info.media_limits)
         self._media: ImagePreparer | None = None  # prepares images given to submit unprepared
         self.block_size = self.info.block_size
-        self.router_name = router
+        self.router_name = routing.router
         self.engine_stats: list[dict] = [self.engines.call_sync(i, "stats") for i in range(total)]
         self.placements: list[dict] = [self.engines.call_sync(i, "placement") for i in range(total)]
         """Where each engine runs (``EngineWorker.placement``), refreshed when it restarts."""
@@ -216,8 +207,6 @@ class DataParallelEngine:
         or between hosts), host rows otherwise."""
         capacity = max(1, self.engine_stats[0].get("total") or 2000)  # approx remembers a pool's worth
         self.num_decode = num_engines
-        routing = RouterConfig(router, kv_weight, router_balance, router_queue_weight, router_shared_balance,
-                               router_shared_threshold)
         self.router = routing.build(num_engines, self.block_size, capacity)
         self.prefill_router = routing.build(prefill_engines, self.block_size, capacity) if prefill_engines else None
         self._engine_kwargs = kwargs[0]

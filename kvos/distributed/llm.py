@@ -7,26 +7,25 @@ import atexit
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import fields
 
 from kvos.core.outputs import RequestOutput
 from kvos.core.sampling_params import SamplingParams
 from kvos.distributed.dp_engine import DataParallelEngine
-from kvos.router.policies import (
-    DEFAULT_BALANCE,
-    DEFAULT_KV_WEIGHT,
-    DEFAULT_QUEUE_WEIGHT,
-    DEFAULT_SHARED_BALANCE,
-    DEFAULT_SHARED_THRESHOLD,
-)
+from kvos.router.config import RouterConfig
+
+ROUTER_KEYWORDS = frozenset(f.name for f in fields(RouterConfig)) - {"router"}
+"""``DataParallelLLM``'s keywords that go to the router (``RouterConfig``'s fields), not the engines."""
 
 
 class DataParallelLLM:
     """``num_engines`` engines of one model (``engine_kwargs`` are ``LLM``'s keywords) behind
     ``router``; ``prefill_engines`` > 0 adds engines that only prefill (disaggregated);
     ``encoder_engines`` > 0 adds engines that only run a vision model's image encoder (E/PD).
-    ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray). ``kv_weight``
-    ``router_balance``, ``router_queue_weight``, ``router_shared_balance`` and
-    ``router_shared_threshold``: kv_aware's cost weights and balance guards (``kvos.router.policies``).
+    ``transport``: ``"ray"`` (actors) or ``"process"`` (local processes, no Ray). ``router``: a
+    router's name or a ``RouterConfig``; with a name, keywords named as ``RouterConfig``'s fields
+    (``kv_weight``, ``router_balance``, ``router_queue_weight``, ...: ``ROUTER_KEYWORDS``) set the
+    router and the rest are the engines'.
     ``kv_transfer``: how prefill engines hand blocks over (``DataParallelEngine.kv_transfer``).
 
     The ``DataParallelEngine`` lives on an event loop of its own thread; ``generate`` submits
@@ -34,18 +33,18 @@ class DataParallelLLM:
     use ``with``) to stop the engines.
     """
 
-    def __init__(self, num_engines: int = 2, router: str = "kv_aware", prefill_engines: int = 0,
-                 ray_address: str | None = None, transport: str = "ray", kv_weight: float = DEFAULT_KV_WEIGHT,
-                 router_balance: tuple[int, float] = DEFAULT_BALANCE, encoder_engines: int = 0,
-                 kv_transfer: str = "auto", router_queue_weight: float = DEFAULT_QUEUE_WEIGHT,
-                 router_shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
-                 router_shared_threshold: int = DEFAULT_SHARED_THRESHOLD, **engine_kwargs) -> None:
-        self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address, kv_weight,
+    def __init__(self, num_engines: int = 2, router: RouterConfig | str = "kv_aware", prefill_engines: int = 0,
+                 ray_address: str | None = None, transport: str = "ray", encoder_engines: int = 0,
+                 kv_transfer: str = "auto", **engine_kwargs) -> None:
+        settings = {k: engine_kwargs.pop(k) for k in list(engine_kwargs) if k in ROUTER_KEYWORDS}
+        if isinstance(router, RouterConfig):
+            if settings:
+                raise ValueError(f"router: give {', '.join(sorted(settings))} in the RouterConfig, not beside it")
+        else:
+            router = RouterConfig(router, **settings)
+        self.engine = DataParallelEngine(engine_kwargs, num_engines, router, ray_address,
                                          prefill_engines=prefill_engines, transport=transport,
-                                         router_balance=router_balance, encoder_engines=encoder_engines,
-                                         kv_transfer=kv_transfer, router_queue_weight=router_queue_weight,
-                                         router_shared_balance=router_shared_balance,
-                                         router_shared_threshold=router_shared_threshold)
+                                         encoder_engines=encoder_engines, kv_transfer=kv_transfer)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvos-dp-loop", daemon=True)
         self._thread.start()

@@ -1,6 +1,6 @@
 """``RouterConfig``: a fleet's router settings, the one source of the ``--router``,
-``--kv-weight``, ``--router-balance``, ``--router-queue-weight``, ``--router-shared-balance`` and
-``--router-shared-threshold`` flags (``kvos.config.flags.add_config_args``)."""
+``--kv-weight``, ``--router-balance``, ``--router-queue-weight``, ``--router-shared-balance``,
+``--router-shared-threshold`` and ``--router-sole-margin`` flags (``kvos.config.flags.add_config_args``)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ from kvos.router.policies import (
     DEFAULT_QUEUE_WEIGHT,
     DEFAULT_SHARED_BALANCE,
     DEFAULT_SHARED_THRESHOLD,
+    DEFAULT_SOLE_MARGIN,
     ROUTERS,
     Router,
     balance_error,
@@ -41,8 +42,9 @@ ROUTER_FLAGS = "router (several engines)"  # the CLI's argument group for these 
 @dataclass
 class RouterConfig:
     """Which router spreads requests over a fleet's engines, and its settings. ``kv_weight``,
-    ``router_balance``, ``router_queue_weight``, ``router_shared_balance`` and
-    ``router_shared_threshold`` apply to kv_aware and approx (``kvos.router.policies.KVAware``)."""
+    ``router_balance``, ``router_queue_weight``, ``router_shared_balance``,
+    ``router_shared_threshold`` and ``router_sole_margin`` apply to kv_aware and approx
+    (``kvos.router.policies.KVAware``)."""
 
     router: str = field(default="kv_aware", metadata={
         "choices": ROUTERS, "group": ROUTER_FLAGS,
@@ -72,6 +74,11 @@ class RouterConfig:
         "help": "kv_aware/approx: a request's cached prefix on an engine is shared when its last block was in more "
                 "than T earlier requests (a hot system prompt); such an engine must pass --router-shared-balance "
                 f"too (default {DEFAULT_SHARED_THRESHOLD}; 0: off)"})
+    router_sole_margin: int = field(default=DEFAULT_SOLE_MARGIN, metadata={
+        "metavar": "M", "group": ROUTER_FLAGS,
+        "help": "kv_aware/approx: an engine holding at least M more of the prompt's leading blocks than every other "
+                "is chosen whatever its queue, if both balance guards allow it (a conversation stays with its "
+                f"history; default {DEFAULT_SOLE_MARGIN}; 0: off)"})
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -86,11 +93,14 @@ class RouterConfig:
             raise ValueError(f"router_shared_balance: {err}")
         if self.router_shared_threshold < 0:
             raise ValueError(f"router_shared_threshold must be >= 0 (0: off), got {self.router_shared_threshold}")
+        if self.router_sole_margin < 0:
+            raise ValueError(f"router_sole_margin must be >= 0 (0: off), got {self.router_sole_margin}")
 
     def build(self, num_engines: int, block_size: int = 16, capacity_blocks: int = 2000) -> Router:
         """The router for ``num_engines`` engines of ``block_size``-token blocks of which each
         holds ``capacity_blocks`` (what approx remembers per engine; the shared-prefix guard
         counts uses of that many blocks per engine)."""
-        return make_router(self.router, num_engines, block_size, self.kv_weight, capacity_blocks,
-                           self.router_balance, self.router_queue_weight, self.router_shared_balance,
-                           self.router_shared_threshold)
+        return make_router(self.router, num_engines, block_size, capacity_blocks, overlap_weight=self.kv_weight,
+                           queue_weight=self.router_queue_weight, balance=self.router_balance,
+                           shared_balance=self.router_shared_balance, shared_threshold=self.router_shared_threshold,
+                           sole_margin=self.router_sole_margin)

@@ -21,14 +21,7 @@ from tqdm.auto import tqdm
 
 from kvos.cache.hashing import extend_block_hashes, root_hash
 from kvos.router.config import RouterConfig
-from kvos.router.policies import (
-    DEFAULT_BALANCE,
-    DEFAULT_KV_WEIGHT,
-    DEFAULT_QUEUE_WEIGHT,
-    DEFAULT_SHARED_BALANCE,
-    DEFAULT_SHARED_THRESHOLD,
-    Router,
-)
+from kvos.router.policies import Router
 from kvos.sim.cost_model import CostModel
 from kvos.sim.simulator import SIM_MODEL_ID, EngineSim, SimConfig, percentiles
 from kvos.sim.traces import TraceRequest
@@ -42,19 +35,15 @@ def imbalance(xs: list[float]) -> float:
 
 class FleetSimulator:
     """``num_engines`` engines of ``config`` each (pool sizes are per engine) behind ``router``
-    (a ``Router``; a ``RouterConfig``; or a name from ``kvos.router.ROUTERS`` built with
-    ``overlap_weight``, ``queue_weight``, the balance guard ``balance`` and the shared-prefix guard
-    ``shared_balance`` with ``shared_threshold``); approx remembers ``approx_capacity`` blocks per
-    engine (default: the engine's pool size), and the shared-prefix guard counts that many per engine.
+    (a ``Router``; a ``RouterConfig``; or a name from ``kvos.router.ROUTERS`` with the default
+    settings); approx remembers ``approx_capacity`` blocks per engine (default: the engine's pool
+    size), and the shared-prefix guard counts that many per engine.
 
     Invariant: each accepted request is admitted to exactly one engine, at its arrival time.
     """
 
     def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel, num_engines: int,
-                 router: Router | RouterConfig | str = "kv_aware", overlap_weight: float = DEFAULT_KV_WEIGHT,
-                 approx_capacity: int | None = None, balance: tuple[int, float] = DEFAULT_BALANCE,
-                 queue_weight: float = DEFAULT_QUEUE_WEIGHT, shared_balance: tuple[int, float] = DEFAULT_SHARED_BALANCE,
-                 shared_threshold: int = DEFAULT_SHARED_THRESHOLD) -> None:
+                 router: Router | RouterConfig | str = "kv_aware", approx_capacity: int | None = None) -> None:
         if not trace:
             raise ValueError("trace: no requests")
         if num_engines < 1:
@@ -66,7 +55,7 @@ class FleetSimulator:
         self.cfg = config
         self.engines = [EngineSim(self.trace, config, cost) for _ in range(num_engines)]
         if isinstance(router, str):
-            router = RouterConfig(router, overlap_weight, balance, queue_weight, shared_balance, shared_threshold)
+            router = RouterConfig(router)
         if isinstance(router, RouterConfig):
             capacity = approx_capacity or config.num_blocks or self.engines[0].kv.pool.num_blocks
             router = router.build(num_engines, config.block_size, capacity)
@@ -166,6 +155,7 @@ class FleetSimulator:
                         else None),
             "shared_balance": (list(self.router.shared_balance) if hasattr(self.router, "shared_balance") else None),
             "shared_threshold": getattr(self.router, "shared_threshold", None),
+            "sole_margin": getattr(self.router, "sole_margin", None),
             "block_size": cfg.block_size, "num_blocks_per_engine": "unlimited" if cfg.num_blocks is None
             else cfg.num_blocks, "eviction_policy": cfg.eviction_policy, "scheduling_policy": cfg.scheduling_policy,
             "time_scale": cfg.time_scale,

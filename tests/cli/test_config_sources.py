@@ -105,13 +105,14 @@ def test_simulator_engine_defaults_are_the_engines():
 def test_router_flags_parse_and_check():
     a = build_parser().parse_args(["serve", "--router", "approx", "--kv-weight", "2", "--router-balance", "5,3",
                                    "--router-queue-weight", "0.1", "--router-shared-balance", "4,1.5",
-                                   "--router-shared-threshold", "6"])
+                                   "--router-shared-threshold", "6", "--router-sole-margin", "3"])
     config = RouterConfig(a.router, a.kv_weight, a.router_balance, a.router_queue_weight, a.router_shared_balance,
-                          a.router_shared_threshold)
-    assert config == RouterConfig("approx", 2.0, (5, 3.0), 0.1, (4, 1.5), 6)
+                          a.router_shared_threshold, a.router_sole_margin)
+    assert config == RouterConfig("approx", 2.0, (5, 3.0), 0.1, (4, 1.5), 6, 3)
     router = config.build(3, 16, capacity_blocks=50)  # every setting reaches the router the fleet uses
     assert (router.overlap_weight, router.balance_abs, router.balance_rel, router.queue_weight, router.shared_balance,
-            router.shared_threshold, router.capacity_blocks) == (2.0, 5, 3.0, 0.1, (4, 1.5), 6, 50)
+            router.shared_threshold, router.sole_margin, router.capacity_blocks) == (2.0, 5, 3.0, 0.1, (4, 1.5), 6,
+                                                                                     3, 50)
     assert RouterConfig("kv_aware", router_queue_weight=0.5).build(2).queue_weight == 0.5
     kv = RouterConfig("kv_aware", router_shared_balance=(3, 2.0), router_shared_threshold=2).build(2, capacity_blocks=9)
     assert (kv.shared_balance, kv.shared_threshold, kv.capacity_blocks) == ((3, 2.0), 2, 9)
@@ -125,6 +126,8 @@ def test_router_flags_parse_and_check():
         RouterConfig(router_shared_balance=(8, 0.5))
     with pytest.raises(ValueError, match="router_shared_threshold must be >= 0"):
         RouterConfig(router_shared_threshold=-1)
+    with pytest.raises(ValueError, match="router_sole_margin must be >= 0"):
+        RouterConfig(router_sole_margin=-1)
     with pytest.raises(SystemExit):  # argparse: the flag's own check
         build_parser().parse_args(["serve", "--router-shared-balance", "8"])
 

@@ -17,12 +17,14 @@ from kvos.router import (
     KVAware,
     LeastLoaded,
     RoundRobin,
+    RouterConfig,
     make_router,
 )
 from kvos.router.policies import (
     DEFAULT_QUEUE_WEIGHT,
     DEFAULT_SHARED_BALANCE,
     DEFAULT_SHARED_THRESHOLD,
+    DEFAULT_SOLE_MARGIN,
 )
 from kvos.sim.cost_model import CostModel
 from kvos.sim.fleet import FleetSimulator
@@ -90,7 +92,7 @@ def test_least_loaded_picks_the_least_load_then_fewest_requests_then_lowest_numb
 def test_kv_aware_prefers_the_longest_cached_prefix_and_trades_it_against_load():
     req = hashes_of(list(range(12)))  # 3 blocks
     other = hashes_of([99] * 8)
-    r = KVAware(3, block_size=4, overlap_weight=1.0)
+    r = KVAware(3, block_size=4, overlap_weight=1.0, sole_margin=0)  # the cost alone
     assert r.on_events(1, stored(1, 1, req))
     assert r.on_events(2, stored(2, 1, req[:1] + other))
     assert [r.predicted_hits(e, req) for e in range(3)] == [0, 3, 1]
@@ -121,7 +123,7 @@ def test_kv_aware_prefers_the_longest_cached_prefix_and_trades_it_against_load()
 
 def test_kv_aware_balance_guard_leaves_out_engines_loaded_past_both_thresholds():
     req = hashes_of(list(range(12)))
-    r = KVAware(3, block_size=4, balance_abs=8, balance_rel=1.5)
+    r = KVAware(3, block_size=4, balance=(8, 1.5))
     assert r.on_events(0, stored(0, 1, req))  # only engine 0 holds the prompt
 
     def running(*n: int) -> list[EngineLoad]:
@@ -136,16 +138,16 @@ def test_kv_aware_balance_guard_leaves_out_engines_loaded_past_both_thresholds()
     r.balance_rel = 0.0  # off: the prompt's blocks win however loaded engine 0 is
     assert r.choose(req, running(100, 0, 0)) == 0
     with pytest.raises(ValueError, match="balance_rel"):
-        KVAware(2, balance_rel=0.5)
+        KVAware(2, balance=(8, 0.5))
     with pytest.raises(ValueError, match="balance_abs"):
-        KVAware(2, balance_abs=-1)
+        KVAware(2, balance=(-1, 2.0))
 
 
 def test_shared_prefix_guard_moves_only_shared_prefixes_off_an_engine_over_the_tight_guard():
     """Loose guard 16,3 for every request, tight 8,2 where the cached prefix on the loaded engine
     is shared: its last block in more than T = 3 earlier routed requests."""
     hot = list(range(8))  # a system prompt of 2 blocks
-    r = KVAware(3, block_size=4, balance_abs=16, balance_rel=3.0, shared_balance=(8, 2.0), shared_threshold=3)
+    r = KVAware(3, block_size=4, balance=(16, 3.0), shared_balance=(8, 2.0), shared_threshold=3)
     first = hashes_of(hot + [100] * 4)  # conversation A's first turn: the prompt and 1 block of its own
     follow = hashes_of(hot + [100] * 4 + [101] * 4)  # A's next turn: 3 blocks cached on engine 0
     other = hashes_of(hot + [200] * 4)  # conversation B: only the prompt is cached on engine 0
@@ -167,7 +169,7 @@ def test_shared_prefix_guard_moves_only_shared_prefixes_off_an_engine_over_the_t
     r.shared_threshold = 1
     assert r.choose(follow, loads) == 0 and r.choose(other, loads) == 1
     assert r.choose(follow, [EngineLoad(running=30), EngineLoad(running=2), IDLE]) == 1  # the loose guard still
-    off = KVAware(3, block_size=4, balance_abs=16, balance_rel=3.0, shared_threshold=0)  # the guard off
+    off = KVAware(3, block_size=4, balance=(16, 3.0), shared_threshold=0)  # the guard off
     assert off.on_events(0, stored(0, 1, first))
     for k in range(10):
         off.on_routed(0, hashes_of(hot + [300 + k] * 4))
@@ -176,6 +178,30 @@ def test_shared_prefix_guard_moves_only_shared_prefixes_off_an_engine_over_the_t
         KVAware(2, shared_threshold=-1)
     with pytest.raises(ValueError, match="shared_balance: balance_rel"):
         KVAware(2, shared_balance=(8, 0.5))
+
+
+def test_sole_holder_rule_keeps_a_request_with_the_engine_holding_clearly_more_of_it():
+    """With ``sole_margin`` M, the engine holding at least M more leading blocks than every other
+    is chosen over a cheaper one (its queue) if both guards leave it in; by cost otherwise."""
+    req = hashes_of(list(range(16)))  # 4 blocks
+    r = KVAware(3, block_size=4, overlap_weight=64.0, queue_weight=0.1, sole_margin=2)
+    assert r.on_events(0, stored(0, 1, req[:3]))  # engine 0 holds 3 blocks, engine 1 one, engine 2 none
+    assert r.on_events(1, stored(1, 1, req[:1]))
+    loads = [EngineLoad(prefill_tokens=400), IDLE, IDLE]  # 100 queued blocks at 0.1: engine 0 costs 704
+    assert [r.cost(e, req, loads[e]) for e in range(3)] == [704, 192, 256]
+    assert r.sole_holder(req) == 0 and r.choose(req, loads) == 0  # 3 - 1 >= 2: it stays with its blocks
+    r.sole_margin = 3  # 3 - 1 < 3: no sole holder, the cost decides
+    assert r.sole_holder(req) is None and r.choose(req, loads) == 1
+    r.sole_margin = 2
+    busy = [EngineLoad(prefill_tokens=400, running=30), IDLE, IDLE]  # engine 0 out of the balance guard
+    assert r.allowed(req, busy) == [1, 2] and r.choose(req, busy) == 1
+    assert r.on_events(1, stored(1, 2, req[1:2]))  # engine 1 now holds 2: a lead of 1 is not enough
+    assert r.sole_holder(req) is None and r.choose(req, loads) == 1
+    r.on_engine_removed(1)  # engine 0 leads engine 2 by 3 among the live ones
+    assert r.sole_holder(req) == 0 and r.choose(req, loads) == 0
+    assert KVAware(2).sole_margin == DEFAULT_SOLE_MARGIN
+    with pytest.raises(ValueError, match="sole_margin"):
+        KVAware(2, sole_margin=-1)
 
 
 def test_shared_prefix_counts_stay_within_their_bound():
@@ -210,8 +236,9 @@ def test_balance_guard_spreads_hot_prefixes_that_first_landed_three_to_one():
     firsts = [TraceRequest(t, 416, 64, segments=[(i, 384), (1000 + i, 32)]) for i, t in enumerate([0, 1.0, 1.2, 1.25])]
     rest = [TraceRequest(2.5 + 0.02 * k, 416, 64, segments=[(k % 4, 384), (2000 + k, 32)]) for k in range(400)]
     cfg = sim_config(block_size=16, num_blocks=None)
-    off = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware", balance=(8, 0.0), shared_threshold=0).run()
-    loose = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware", shared_threshold=0).run()
+    off = FleetSimulator(firsts + rest, cfg, COST, 2,
+                         RouterConfig("kv_aware", router_balance=(8, 0.0), router_shared_threshold=0)).run()
+    loose = FleetSimulator(firsts + rest, cfg, COST, 2, RouterConfig("kv_aware", router_shared_threshold=0)).run()
     on = FleetSimulator(firsts + rest, cfg, COST, 2, "kv_aware").run()
     assert off["requests_per_engine"] == loose["requests_per_engine"] == [303, 101]  # the case the guard is for
     assert on["shared_threshold"] == DEFAULT_SHARED_THRESHOLD > 0 and on["imbalance_requests"] <= 1.05
