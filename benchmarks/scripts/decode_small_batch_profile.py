@@ -7,8 +7,10 @@ cuBLAS (as before ``kvos.kernels.gemv``); ``KVOS_PDL=0``: no dependent launches.
 launches a kernel's time includes its wait for the one before, so the idle time goes negative.
 
     python benchmarks/scripts/decode_small_batch_profile.py [--cublas] [batch ...]
+    CTX=8192 KV=fp8_e4m3 python ...   # another context (default 512) and KV cache dtype (default auto)
 """
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -23,21 +25,23 @@ if "--cublas" in sys.argv:  # the weight products on cuBLAS at every row count (
     ops.ONE_ROW_KERNEL = False
     sys.argv.remove("--cublas")
 batches = [int(b) for b in sys.argv[1:]] or [1]
-ctx = 512
+ctx = int(os.environ.get("CTX", 512))
 llm = LLM(model="llama-3.1-8b", random_weights=True, device="cuda", max_num_seqs=max(batches),
-          max_num_batched_tokens=2048)
+          max_num_batched_tokens=2048, kv_cache_dtype=os.environ.get("KV", "auto"))
 runner = llm.engine.runner
 g = runner.graphs
 bs = runner.block_size
 nb = min(p.num_blocks for p in llm.engine.kv.pools)
 ceil = measure_ceilings()
-cost = ModelCost.of(runner.model, 2)
-print(json.dumps({"gpu": torch.cuda.get_device_name(), "ceilings": ceil}), flush=True)
+cost = ModelCost.of(runner.model, 2, llm.engine.layout)  # K/V bytes as the cache stores them (scales too)
+print(json.dumps({"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "kv_cache_dtype": os.environ.get("KV", "auto"),
+                  "context": ctx}), flush=True)
 
 
 def kind(name: str) -> str:
     n = name.lower()
-    for key, label in (("gemv", "gemm"), ("gemm", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("sm90", "gemm"),
+    for key, label in (("combine", "attention_combine"), ("gemv", "gemm"), ("gemm", "gemm"), ("nvjet", "gemm"),
+                       ("cutlass", "gemm"), ("sm90", "gemm"),
                        ("decode", "attention"), ("rms", "rms_norm"), ("rope", "rope"), ("rotary", "rope"),
                        ("write", "kv_write"), ("silu", "silu_mul"), ("gated", "silu_mul"), ("embedding", "embedding"),
                        ("index", "embedding")):

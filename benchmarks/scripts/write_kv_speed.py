@@ -1,6 +1,8 @@
 """``write_kv`` of 64, 256 and 2,048 rows (Llama-3.1-8B: 8 kv heads x 128, random slots) into
 bf16, fp8 and int8 caches: the quantizing writes' cost over the plain copy, on the GPU alone (32
-writes captured in one CUDA graph, per write). Prints JSON lines (GPU only).
+writes captured in one CUDA graph, per write). Prints JSON lines (GPU only); the fp8 write also
+with each launch variant (``cache_write.FP8_WRITE_SPLIT``: K and V rows in programs of their own;
+``FP8_WRITE_UNROLL``: candidates per loop iteration).
 
     python benchmarks/scripts/write_kv_speed.py
 """
@@ -26,4 +28,15 @@ for T in (64, 256, 2048):
     for dt, (q, s) in caches.items():
         kq, vq, ks, vs = q.clone(), q.clone(), s.clone(), s.clone()
         row[f"{dt}_ms"] = round(graph_ms(lambda: C.write_kv(k, v, kq, vq, slots, k_scale=ks, v_scale=vs)), 5)
+    kept = C.FP8_WRITE_SPLIT, C.FP8_WRITE_UNROLL
+    (q, s), ref = caches["fp8_e4m3"], None
+    for split, unroll in ((False, 1), (True, 1), (False, 2), (True, 2), (True, 4)):
+        C.FP8_WRITE_SPLIT, C.FP8_WRITE_UNROLL = split, unroll
+        kq, vq, ks, vs = q.clone(), q.clone(), s.clone(), s.clone()
+        row[f"fp8_split{int(split)}_unroll{unroll}_ms"] = round(
+            graph_ms(lambda: C.write_kv(k, v, kq, vq, slots, k_scale=ks, v_scale=vs)), 5)
+        out = [x.view(torch.uint8) if x.dtype != torch.float32 else x for x in (kq, vq, ks, vs)]
+        ref = ref or out
+        row[f"fp8_split{int(split)}_unroll{unroll}_same"] = all(torch.equal(a, b) for a, b in zip(out, ref))
+    C.FP8_WRITE_SPLIT, C.FP8_WRITE_UNROLL = kept
     print(json.dumps(row), flush=True)

@@ -17,6 +17,19 @@ so many run per SM. H200, 8 kv heads x 128, one write inside a CUDA graph
 one unrolled tile, ``div_rn``) -> 0.0125 ms (bf16 0.0025), 2,048 rows 0.225 -> 0.073 ms (bf16
 0.011)."""
 
+FP8_WRITE_SPLIT = True
+"""The fp8 write runs K's and V's rows in programs of their own (a third grid axis): a decode
+step's few rows are bound by the latency of the search (a chain of 16 candidates per row), not
+its arithmetic, so twice the programs of half the chain take half the time."""
+
+FP8_WRITE_UNROLL = 4
+"""Candidates of the fp8 search per loop iteration: independent chains the compiler interleaves
+(their sums reduce across the warp side by side); the order of comparison stays j = 0, 1, ...
+With ``FP8_WRITE_SPLIT``, H200, 8 kv heads x 128, one write inside a CUDA graph
+(``benchmarks/scripts/write_kv_speed.py``), ms: 64 rows 0.0083 -> 0.0047 (bf16 0.0011), 256 rows
+0.0120 -> 0.0100, 2,048 rows 0.072 -> 0.065; a decode step of 64 sequences at 8K context on an
+fp8 cache 14.41 -> 13.86-14.12 ms (``kvos bench kv-speed``, alternating runs)."""
+
 
 @triton.jit
 def _quantize_row(x, scale_ptr, mask_row, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr,
@@ -62,13 +75,14 @@ def _round_e4m3(y):
 
 @triton.jit
 def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATES: tl.constexpr,
-                      HW_CVT: tl.constexpr):
+                      HW_CVT: tl.constexpr, UNROLL: tl.constexpr = 1):
     """fp8 e4m3 as ``kvos.kernels.kv_quant.quantize``: of the scales ``(amax(|x|) / 448) * (1 + j /
     CANDIDATES)``, j < CANDIDATES, keep the one whose dequantized row has the least squared error
     (float64 sum; ties: the smallest j), store it at ``scale_ptr`` (where ``mask_row``) and return
     the row's e4m3fn bytes (int32, sign in bit 7) for a uint8 view of the cache. x: the row in
     fp32, zero where masked. The candidates are tried one after another, each a vector op over
-    the row, keeping the best so far. Divisions are correctly rounded as torch's are on CPU and
+    the row, keeping the best so far (UNROLL of them per iteration, compared in order; CANDIDATES
+    a multiple of UNROLL). Divisions are correctly rounded as torch's are on CPU and
     the rounding to e4m3 is exact: HW_CVT (compiled) divides by the correctly rounded reciprocal
     with one FMA correction (Markstein's theorem: correctly rounded barring underflow of the
     residual, which needs a value below about 2**-100 in magnitude) and rounds by the GPU's
@@ -82,34 +96,36 @@ def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATE
     best_err = tl.full((), float("inf"), tl.float64)
     best_s = base
     best_code = tl.zeros(x.shape, tl.int32)
-    for j in range(CANDIDATES):  # a loop, not unrolled: few registers, many programs per SM
-        s = base * (1.0 + j * (1.0 / CANDIDATES))  # exact: j / CANDIDATES is a power-of-two fraction
-        divisor = tl.maximum(s, MIN_SCALE)
-        if HW_CVT:
-            # x / divisor correctly rounded from the correctly rounded reciprocal and one
-            # correction (Markstein): three instructions per value instead of div_rn's ten
-            r = tl.div_rn(1.0, divisor)
-            q = x * r
-            e = tl.fma(-q, divisor, x)
-            y = tl.where(e == 0.0, q, tl.fma(e, r, q))  # q exact: keep its sign (-0.0)
-        else:
-            y = tl.div_rn(x, divisor)
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        if HW_CVT:
-            f8 = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-            val = f8.to(tl.float32)
-            code = f8.to(tl.uint8, bitcast=True).to(tl.int32)
-        else:
-            val, code = _round_e4m3(y)
-            negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too, as torch's cast
-            val = tl.where(negative, -val, val)
-            code = tl.where(negative, code + 128, code)
-        d = val.to(tl.float64) * s.to(tl.float64) - xd
-        err = tl.sum(d * d, 0)
-        better = err < best_err  # strict: ties keep the smaller j
-        best_err = tl.where(better, err, best_err)
-        best_s = tl.where(better, s, best_s)
-        best_code = tl.where(better, code, best_code)
+    for j0 in range(0, CANDIDATES, UNROLL):  # a loop, not unrolled: few registers, many programs per SM
+        for jj in tl.static_range(UNROLL):
+            j = j0 + jj
+            s = base * (1.0 + j * (1.0 / CANDIDATES))  # exact: j / CANDIDATES is a power-of-two fraction
+            divisor = tl.maximum(s, MIN_SCALE)
+            if HW_CVT:
+                # x / divisor correctly rounded from the correctly rounded reciprocal and one
+                # correction (Markstein): three instructions per value instead of div_rn's ten
+                r = tl.div_rn(1.0, divisor)
+                q = x * r
+                e = tl.fma(-q, divisor, x)
+                y = tl.where(e == 0.0, q, tl.fma(e, r, q))  # q exact: keep its sign (-0.0)
+            else:
+                y = tl.div_rn(x, divisor)
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            if HW_CVT:
+                f8 = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+                val = f8.to(tl.float32)
+                code = f8.to(tl.uint8, bitcast=True).to(tl.int32)
+            else:
+                val, code = _round_e4m3(y)
+                negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too, as torch's cast
+                val = tl.where(negative, -val, val)
+                code = tl.where(negative, code + 128, code)
+            d = val.to(tl.float64) * s.to(tl.float64) - xd
+            err = tl.sum(d * d, 0)
+            better = err < best_err  # strict: ties keep the smaller j
+            best_err = tl.where(better, err, best_err)
+            best_s = tl.where(better, s, best_s)
+            best_code = tl.where(better, code, best_code)
     tl.store(scale_ptr, best_s, mask=mask_row)
     return best_code
 
@@ -125,12 +141,14 @@ def _write_kv_kernel(
     head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
     QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND: tl.constexpr, FP8_CANDIDATES: tl.constexpr,
-    HW_CVT: tl.constexpr = True, PDL: tl.constexpr = False,
+    HW_CVT: tl.constexpr = True, SPLIT_KV: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
-    """One program copies one token's K and V row of one kv head. QUANT: quantizes each row
-    (``_quantize_row``; fp8 when FP8_CANDIDATES > 0: ``_quantize_row_fp8``, into uint8 views of the
-    caches) and stores its scale too; otherwise the scale arguments are never read. HW_CVT: the fp8
-    search's compiled arithmetic (False under Triton's interpreter; same bytes)."""
+    """One program copies one token's K and V row of one kv head (SPLIT_KV, fp8 only: K's row
+    where ``program_id(2)`` is 0, V's where 1). QUANT: quantizes each row (``_quantize_row``; fp8
+    when FP8_CANDIDATES > 0: ``_quantize_row_fp8``, into uint8 views of the caches) and stores its
+    scale too; otherwise the scale arguments are never read. HW_CVT: the fp8 search's compiled
+    arithmetic (False under Triton's interpreter; same bytes)."""
     wait_for_previous(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -141,22 +159,39 @@ def _write_kv_kernel(
     mask = (offs_d < head_dim) & (slot >= 0)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + h * stride_kch + offs_d * stride_kcd
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + offs_d * stride_vcd
-    if QUANT:
-        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask, other=0.0)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask, other=0.0)
+    if SPLIT_KV:
+        # one row per program: the scale search's latency, not its arithmetic, bounds a decode step
         k_scale_dst = k_scale_ptr + block * stride_ksb + offset * stride_kso + h * stride_ksh
         v_scale_dst = v_scale_ptr + block * stride_vsb + offset * stride_vso + h * stride_vsh
-        if FP8_CANDIDATES > 0:
-            k = _quantize_row_fp8(k.to(tl.float32), k_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT)
-            v = _quantize_row_fp8(v.to(tl.float32), v_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT)
+        if tl.program_id(2) == 0:
+            x = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask, other=0.0)
+            code = _quantize_row_fp8(x.to(tl.float32), k_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT,
+                                     UNROLL)
+            tl.store(k_dst, code.to(k_cache_ptr.dtype.element_ty), mask=mask)
         else:
-            k = _quantize_row(k.to(tl.float32), k_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
-            v = _quantize_row(v.to(tl.float32), v_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
+            x = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask, other=0.0)
+            code = _quantize_row_fp8(x.to(tl.float32), v_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT,
+                                     UNROLL)
+            tl.store(v_dst, code.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
-        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask)
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        if QUANT:
+            k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask, other=0.0)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask, other=0.0)
+            k_scale_dst = k_scale_ptr + block * stride_ksb + offset * stride_kso + h * stride_ksh
+            v_scale_dst = v_scale_ptr + block * stride_vsb + offset * stride_vso + h * stride_vsh
+            if FP8_CANDIDATES > 0:
+                k = _quantize_row_fp8(k.to(tl.float32), k_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT,
+                                      UNROLL)
+                v = _quantize_row_fp8(v.to(tl.float32), v_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT,
+                                      UNROLL)
+            else:
+                k = _quantize_row(k.to(tl.float32), k_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
+                v = _quantize_row(v.to(tl.float32), v_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
+        else:
+            k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask)
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -202,12 +237,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     fp8 = kv_dtype == "fp8_e4m3"
     if fp8:  # the kernel encodes e4m3 bytes itself (exact under the interpreter too)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    _write_kv_kernel[(num_tokens, num_kv_heads)](
+    split = fp8 and FP8_WRITE_SPLIT
+    _write_kv_kernel[(num_tokens, num_kv_heads, 2 if split else 1)](
         k, v, k_cache, v_cache, slot_mapping, *scale_args[:2],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *scale_args[2:],
         head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
         QUANT=kv_dtype is not None, QMAX=QMAX[kv_dtype] if kv_dtype else 0.0,
         MIN_SCALE=MIN_SCALE, ROUND=kv_dtype == "int8", FP8_CANDIDATES=FP8_SCALE_CANDIDATES if fp8 else 0,
-        HW_CVT=not triton.knobs.runtime.interpret, num_warps=FP8_WRITE_WARPS if fp8 else 4, **pdl.launch_args(k),
+        HW_CVT=not triton.knobs.runtime.interpret, SPLIT_KV=split, UNROLL=FP8_WRITE_UNROLL if fp8 else 1,
+        num_warps=FP8_WRITE_WARPS if fp8 else 4, **pdl.launch_args(k),
     )
