@@ -432,9 +432,7 @@ class Scheduler:
         c, reused = self.kv.counters, sum(s.length for s in req.reuse_spans)
         c.segment_hits += len(req.reuse_spans)
         c.segment_reused_tokens += reused
-        assert self.segments is not None
-        h = len(self.segments.header_of(req))
-        c.segment_recomputed_tokens += sum(s.src_start - h for s in req.reuse_spans)
+        c.segment_recomputed_tokens += sum(s.recomputed for s in req.reuse_spans)
         if not req.num_preemptions and req.cached_by_source.get("segment") is None:
             req.num_cached_tokens += reused
             req.cached_by_source["segment"] = reused

@@ -43,12 +43,15 @@ first segment, with KV that attended to it."""
 class ReuseSpan:
     """Prompt positions ``[start, end)`` filled from a cached source chain whose position
     ``src_start`` holds ``start``'s token; ``sources`` are the chain's blocks per cache group
-    (null placeholders where a sliding group needs none), borrowed by the request."""
+    (null placeholders where a sliding group needs none), borrowed by the request;
+    ``recomputed``: the segment's tokens before ``start`` that the request computes (its head,
+    less what the prefix cache served)."""
 
     start: int
     end: int
     src_start: int
     sources: list[list[KVBlock]]
+    recomputed: int = 0
 
     @property
     def length(self) -> int:
@@ -119,14 +122,17 @@ class SegmentReuse:
 
     def plan(self, req: Request, computed: int) -> list[ReuseSpan]:
         """The spans of ``req`` to reuse after its ``computed`` exact tokens, their sources
-        borrowed; sets ``req.reuse_spans`` and ``req.exact_tokens``. Segments that start
-        before ``computed`` (the prefix cache served them) are left alone, and no span reaches
-        the prompt's last token (its logits are computed)."""
+        borrowed; sets ``req.reuse_spans`` and ``req.exact_tokens``. A segment's head (its
+        first ``ceil(recompute * n)`` reusable tokens) is always exact: computed, or served by
+        the prefix cache. A segment the prefix cache served in part (an earlier request with the
+        same tokens before it registered its exact blocks up to its first reused token) is
+        reused from ``computed`` on, past its head; one it served whole is left alone. No span
+        reaches the prompt's last token (its logits are computed)."""
         bs, h = self.kv.block_size, len(self.header_of(req))
         spans: list[ReuseSpan] = []
         last = req.num_prompt_tokens - 1
         for start, end in req.segments:
-            if start < computed or start >= last or self._at_start(req, start):
+            if end <= computed or start >= last or self._at_start(req, start):
                 continue
             _, hashes = self._source(req, start, end)
             bound = min(len(hashes), (last - start + h) // bs)
@@ -134,11 +140,11 @@ class SegmentReuse:
             n = len(hits[0]) * bs - h  # segment tokens the source's cached blocks hold
             if n <= 0:
                 continue
-            head = math.ceil(self.recompute * n)
-            if head >= n:
+            first = max(start + math.ceil(self.recompute * n), computed)  # past the head and the exact prefix
+            if first >= start + n:
                 continue
             self.kv.borrow(req.request_id, hits)
-            spans.append(ReuseSpan(start + head, start + n, h + head, hits))
+            spans.append(ReuseSpan(first, start + n, h + first - start, hits, first - max(start, computed)))
         req.reuse_spans = spans
         req.exact_tokens = spans[0].start if spans else None
         return spans

@@ -95,6 +95,42 @@ def test_recompute_share_and_exact_prefix_cache(make_llm, llm, texts):
     assert plain.outputs[0].token_ids == fresh.outputs[0].token_ids
 
 
+def test_a_segment_the_prefix_cache_served_in_part_reuses_the_rest(make_llm, texts):
+    """The first request registers its exact blocks up to its first reused token, so the same
+    prompt again hits into the document: the tokens past that hit are still reused (only the
+    head's uncovered tokens computed), with the first request's KV and greedy tokens."""
+    prefix, doc, question = texts
+    seg = make_llm(segment_reuse=True, segment_recompute=0.15)
+    seg.generate([{"segments": [doc]}], GREEDY, use_tqdm=False)
+    first, first_logits = _run(seg, {"segments": [prefix, doc, question]})
+    head = -(-15 * len(doc) // 100)
+    hit = (len(prefix) + head) // BS * BS  # the exact blocks the first request registered
+    assert len(prefix) < hit < len(prefix) + head  # the hit ends inside the document's head
+    before = seg.stats()
+    again, logits = _run(seg, {"segments": [prefix, doc, question]})
+    stats = seg.stats()
+    assert again.num_cached_tokens == hit + len(doc) - head  # the exact hit, then the reused rest
+    assert stats["segment_hits"] - before["segment_hits"] == 1
+    assert stats["segment_recomputed_tokens"] - before["segment_recomputed_tokens"] == len(prefix) + head - hit
+    assert stats["segment_reused_tokens"] - before["segment_reused_tokens"] == len(doc) - head
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert (logits - first_logits).abs().max() < 1e-4
+    # a plain prompt caches the document's first 40 tokens exactly, past its head: the segment
+    # is then reused from the hit on, and the shared exact blocks are never written
+    plain = prefix + doc[:40] + question
+    ref, ref_logits = _run(seg, {"prompt_token_ids": plain})
+    far = (len(prefix) + 40) // BS * BS
+    assert far > len(prefix) + head
+    before = seg.stats()
+    out, _ = _run(seg, {"segments": [prefix, doc, question]})
+    stats = seg.stats()
+    assert out.num_cached_tokens == len(prefix) + len(doc)  # the exact hit to `far`, the rest reused
+    assert stats["segment_recomputed_tokens"] == before["segment_recomputed_tokens"]
+    assert stats["segment_reused_tokens"] - before["segment_reused_tokens"] == len(prefix) + len(doc) - far
+    again, again_logits = _run(seg, {"prompt_token_ids": plain})
+    assert again.num_cached_tokens >= far and torch.equal(again_logits, ref_logits)
+
+
 def test_segments_never_cross_tenants(make_llm, texts):
     prefix, doc, question = texts
     seg = make_llm(segment_reuse=True, segment_recompute=0.0)
