@@ -21,7 +21,7 @@ Setup, and why:
   It has N times less compute than the fleet, so compare hit rates with it, and TTFT among the
   routers only. ``upper_bound`` is the unbounded single-cache block hit rate counted from the
   trace's hash ids (no simulation).
-- kv_aware and approx run at each ``--kv-weights`` (default 1, Dynamo's default, and 16). In
+- kv_aware and approx run at each ``--kv-weights`` (default 1, Dynamo's default, and 64). In
   Dynamo's cost ``w * (P + R - H) + A`` the weight scales the engine's queued prefill as well as
   the request's uncached blocks, against the blocks it decodes (``kvos.router.KVAware``): at
   w=1 the decode load of a 13.5K-token conversation (~26 blocks per running request) outweighs

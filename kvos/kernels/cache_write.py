@@ -11,8 +11,8 @@ from kvos.kernels.pdl import wait_for_previous
 
 FP8_WRITE_WARPS = 1
 """Warps per program of the fp8 write: one warp holds a row, so the search's sums reduce within
-the warp, and with the candidates in a loop (not unrolled) a program needs about 50 registers,
-so many run per SM. H200, 8 kv heads x 128, one write inside a CUDA graph
+the warp, and with the candidates in a loop (then not unrolled) a program needed about 50
+registers, so many run per SM. H200, 8 kv heads x 128, one write inside a CUDA graph
 (``benchmarks/scripts/write_kv_speed.py``): 256 rows 0.032 ms before (4 warps, the candidates as
 one unrolled tile, ``div_rn``) -> 0.0125 ms (bf16 0.0025), 2,048 rows 0.225 -> 0.073 ms (bf16
 0.011)."""
@@ -96,7 +96,8 @@ def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATE
     best_err = tl.full((), float("inf"), tl.float64)
     best_s = base
     best_code = tl.zeros(x.shape, tl.int32)
-    for j0 in range(0, CANDIDATES, UNROLL):  # a loop, not unrolled: few registers, many programs per SM
+    tl.static_assert(CANDIDATES % UNROLL == 0, "UNROLL must divide CANDIDATES")
+    for j0 in range(0, CANDIDATES, UNROLL):  # a loop of UNROLL candidates: few registers, many programs per SM
         for jj in tl.static_range(UNROLL):
             j = j0 + jj
             s = base * (1.0 + j * (1.0 / CANDIDATES))  # exact: j / CANDIDATES is a power-of-two fraction
@@ -149,6 +150,7 @@ def _write_kv_kernel(
     when FP8_CANDIDATES > 0: ``_quantize_row_fp8``, into uint8 views of the caches) and stores its
     scale too; otherwise the scale arguments are never read. HW_CVT: the fp8 search's compiled
     arithmetic (False under Triton's interpreter; same bytes)."""
+    tl.static_assert(not SPLIT_KV or FP8_CANDIDATES > 0, "SPLIT_KV is the fp8 write's")
     wait_for_previous(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)

@@ -183,8 +183,9 @@ class KVAware(Router):
     to do, weighed against what it is decoding. With ``queue_weight`` 1 this is Dynamo's cost;
     below 1 a request stays with its prefix behind a longer queue (``DEFAULT_QUEUE_WEIGHT``).
     The lowest cost wins; ties go to the lower ``EngineLoad.blocks``, then fewer routed so far,
-    then the lower number. ``overlap_weight`` 0 balances active blocks only; larger values
-    favour cache hits and a short prefill queue (TTFT) over decode load.
+    then the lower number. ``overlap_weight`` 0 balances active blocks only (with the sole-holder
+    rule below off); larger values favour cache hits and a short prefill queue (TTFT) over decode
+    load.
 
     Balance guard (``balance`` as ``(balance_abs, balance_rel)``; ``DEFAULT_BALANCE``): engines whose
     requests (waiting + running) exceed the least loaded engine's by more than ``balance_abs``
@@ -205,7 +206,8 @@ class KVAware(Router):
     live engine holds at least ``M`` more of the request's leading blocks than every other and
     both guards leave it in, it is chosen whatever the cost says (its queue): the request's own
     history lives there, and sending it elsewhere recomputes those blocks and leaves a copy on
-    two engines. ``M`` 0 turns it off.
+    two engines. ``M`` 0 turns it off; it also stands aside while any live engine's index is
+    stale (that engine counts 0 hits, so another could look like the sole holder).
 
     Invariants: ``index[e]`` equals engine ``e``'s prefix index after the last batch applied,
     unless ``stale[e]`` (a batch was missed), in which case ``H_e`` counts 0 until a snapshot.
@@ -296,10 +298,12 @@ class KVAware(Router):
 
     def sole_holder(self, request_hashes: list[BlockHash]) -> int | None:
         """The live engine holding at least ``sole_margin`` more of the request's leading blocks
-        than every other live engine (None: no such engine, one live engine, or the rule off)."""
-        if not self.sole_margin:
+        than every other live engine (None: no such engine, one live engine, a live engine's
+        index stale, or the rule off)."""
+        live = self._live()
+        if not self.sole_margin or any(self.stale[e] for e in live):
             return None
-        hits = sorted(((self.predicted_hits(e, request_hashes), e) for e in self._live()), reverse=True)
+        hits = sorted(((self.predicted_hits(e, request_hashes), e) for e in live), reverse=True)
         if len(hits) < 2 or hits[0][0] - hits[1][0] < self.sole_margin:
             return None
         return hits[0][1]

@@ -45,7 +45,7 @@ class ReuseSpan:
     ``src_start`` holds ``start``'s token; ``sources`` are the chain's blocks per cache group
     (null placeholders where a sliding group needs none), borrowed by the request;
     ``recomputed``: the segment's tokens before ``start`` that the request computes (its head,
-    less what the prefix cache served)."""
+    less what the prefix cache or a lower tier served)."""
 
     start: int
     end: int
@@ -127,8 +127,11 @@ class SegmentReuse:
         the prefix cache. A segment the prefix cache served in part (an earlier request with the
         same tokens before it registered its exact blocks up to its first reused token) is
         reused from ``computed`` on, past its head; one it served whole is left alone. No span
-        reaches the prompt's last token (its logits are computed)."""
+        reaches the prompt's last token (its logits are computed). ``computed`` is a whole number
+        of blocks (prefix hits and tier loads are), so no span writes into a block the request
+        shares with the prefix cache."""
         bs, h = self.kv.block_size, len(self.header_of(req))
+        assert computed % bs == 0, computed
         spans: list[ReuseSpan] = []
         last = req.num_prompt_tokens - 1
         for start, end in req.segments:

@@ -25,8 +25,8 @@ from tests.support.triton_interpreter import (  # first: before triton loads
 
 triton = pytest.importorskip("triton")
 
+from kvos.kernels import cache_write, kv_quant  # noqa: E402
 from kvos.kernels import decode_attention as _decode  # noqa: E402
-from kvos.kernels import kv_quant  # noqa: E402
 from kvos.kernels.cache_write import write_kv  # noqa: E402
 from kvos.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
@@ -128,6 +128,16 @@ def test_write_kv_quantizes_like_torch(kv_dtype, x_dtype, block_size, slot_dtype
     assert pool.dtype == storage
     assert torch.equal(pool[untouched].view(torch.uint8), before[untouched].view(torch.uint8))
     assert torch.equal(pool_scales[untouched], before_scales[untouched])
+
+
+@pytest.mark.parametrize("split,unroll", [(False, 1), (True, 2)])
+def test_fp8_write_launch_variants_write_the_same_bytes(monkeypatch, split, unroll):
+    """The fp8 write with K and V in one program and the candidates one per iteration (the
+    launch before ``FP8_WRITE_SPLIT`` and ``FP8_WRITE_UNROLL``), and another unroll: the same
+    checks as the default launch."""
+    monkeypatch.setattr(cache_write, "FP8_WRITE_SPLIT", split)
+    monkeypatch.setattr(cache_write, "FP8_WRITE_UNROLL", unroll)
+    test_write_kv_quantizes_like_torch("fp8_e4m3", torch.float32, 16, torch.int32)
 
 
 def test_write_kv_checks_scale_arguments():

@@ -199,6 +199,8 @@ def test_sole_holder_rule_keeps_a_request_with_the_engine_holding_clearly_more_o
     assert r.sole_holder(req) is None and r.choose(req, loads) == 1
     r.on_engine_removed(1)  # engine 0 leads engine 2 by 3 among the live ones
     assert r.sole_holder(req) == 0 and r.choose(req, loads) == 0
+    assert not r.on_events(2, stored(2, 3, req))  # engine 2 missed a batch: its index is stale
+    assert r.sole_holder(req) is None and r.choose(req, loads) == 2  # the rule stands aside; cost (0 hits)
     assert KVAware(2).sole_margin == DEFAULT_SOLE_MARGIN
     with pytest.raises(ValueError, match="sole_margin"):
         KVAware(2, sole_margin=-1)
