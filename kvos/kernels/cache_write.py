@@ -131,6 +131,16 @@ def _quantize_row_fp8(x, scale_ptr, mask_row, MIN_SCALE: tl.constexpr, CANDIDATE
     return best_code
 
 
+@triton.jit
+def _write_row_fp8(src, dst, scale_dst, mask, row_ok, MIN_SCALE: tl.constexpr, CANDIDATES: tl.constexpr,
+                   HW_CVT: tl.constexpr, UNROLL: tl.constexpr):
+    """Load one K or V row at ``src`` (``mask``), store its e4m3fn bytes at ``dst`` and its scale
+    at ``scale_dst`` (where ``row_ok``): ``_quantize_row_fp8``."""
+    x = tl.load(src, mask=mask, other=0.0)
+    code = _quantize_row_fp8(x.to(tl.float32), scale_dst, row_ok, MIN_SCALE, CANDIDATES, HW_CVT, UNROLL)
+    tl.store(dst, code.to(dst.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "k_scale_ptr", "v_scale_ptr"])
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
@@ -142,15 +152,15 @@ def _write_kv_kernel(
     head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
     QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND: tl.constexpr, FP8_CANDIDATES: tl.constexpr,
-    HW_CVT: tl.constexpr = True, SPLIT_KV: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+    HW_CVT: tl.constexpr = True, KV_PROGRAMS: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
-    """One program copies one token's K and V row of one kv head (SPLIT_KV, fp8 only: K's row
+    """One program copies one token's K and V row of one kv head (fp8 with KV_PROGRAMS 2: K's row
     where ``program_id(2)`` is 0, V's where 1). QUANT: quantizes each row (``_quantize_row``; fp8
     when FP8_CANDIDATES > 0: ``_quantize_row_fp8``, into uint8 views of the caches) and stores its
     scale too; otherwise the scale arguments are never read. HW_CVT: the fp8 search's compiled
     arithmetic (False under Triton's interpreter; same bytes)."""
-    tl.static_assert(not SPLIT_KV or FP8_CANDIDATES > 0, "SPLIT_KV is the fp8 write's")
+    tl.static_assert(KV_PROGRAMS == 1 or FP8_CANDIDATES > 0, "K and V apart is the fp8 write's")
     wait_for_previous(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -159,41 +169,30 @@ def _write_kv_kernel(
     offset = slot % BLOCK_SIZE
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_d < head_dim) & (slot >= 0)
+    k_src = k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd
+    v_src = v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + h * stride_kch + offs_d * stride_kcd
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + offs_d * stride_vcd
-    if SPLIT_KV:
-        # one row per program: the scale search's latency, not its arithmetic, bounds a decode step
+    if QUANT:
         k_scale_dst = k_scale_ptr + block * stride_ksb + offset * stride_kso + h * stride_ksh
         v_scale_dst = v_scale_ptr + block * stride_vsb + offset * stride_vso + h * stride_vsh
-        if tl.program_id(2) == 0:
-            x = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask, other=0.0)
-            code = _quantize_row_fp8(x.to(tl.float32), k_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT,
-                                     UNROLL)
-            tl.store(k_dst, code.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        if FP8_CANDIDATES > 0:
+            # with KV_PROGRAMS 2, one row per program: the search's latency bounds a decode step
+            which = tl.program_id(2)
+            if which == 0:
+                _write_row_fp8(k_src, k_dst, k_scale_dst, mask, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT, UNROLL)
+            if which == KV_PROGRAMS - 1:
+                _write_row_fp8(v_src, v_dst, v_scale_dst, mask, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT, UNROLL)
         else:
-            x = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask, other=0.0)
-            code = _quantize_row_fp8(x.to(tl.float32), v_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT,
-                                     UNROLL)
-            tl.store(v_dst, code.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            k = _quantize_row(tl.load(k_src, mask=mask, other=0.0).to(tl.float32), k_scale_dst, slot >= 0, QMAX,
+                              MIN_SCALE, ROUND)
+            v = _quantize_row(tl.load(v_src, mask=mask, other=0.0).to(tl.float32), v_scale_dst, slot >= 0, QMAX,
+                              MIN_SCALE, ROUND)
+            tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
-        if QUANT:
-            k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask, other=0.0)
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask, other=0.0)
-            k_scale_dst = k_scale_ptr + block * stride_ksb + offset * stride_kso + h * stride_ksh
-            v_scale_dst = v_scale_ptr + block * stride_vsb + offset * stride_vso + h * stride_vsh
-            if FP8_CANDIDATES > 0:
-                k = _quantize_row_fp8(k.to(tl.float32), k_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT,
-                                      UNROLL)
-                v = _quantize_row_fp8(v.to(tl.float32), v_scale_dst, slot >= 0, MIN_SCALE, FP8_CANDIDATES, HW_CVT,
-                                      UNROLL)
-            else:
-                k = _quantize_row(k.to(tl.float32), k_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
-                v = _quantize_row(v.to(tl.float32), v_scale_dst, slot >= 0, QMAX, MIN_SCALE, ROUND)
-        else:
-            k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d * stride_kd, mask=mask)
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d * stride_vd, mask=mask)
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst, tl.load(k_src, mask=mask).to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -239,14 +238,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     fp8 = kv_dtype == "fp8_e4m3"
     if fp8:  # the kernel encodes e4m3 bytes itself (exact under the interpreter too)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    split = fp8 and FP8_WRITE_SPLIT
-    _write_kv_kernel[(num_tokens, num_kv_heads, 2 if split else 1)](
+    kv_programs = 2 if fp8 and FP8_WRITE_SPLIT else 1
+    _write_kv_kernel[(num_tokens, num_kv_heads, kv_programs)](
         k, v, k_cache, v_cache, slot_mapping, *scale_args[:2],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *scale_args[2:],
         head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
         QUANT=kv_dtype is not None, QMAX=QMAX[kv_dtype] if kv_dtype else 0.0,
         MIN_SCALE=MIN_SCALE, ROUND=kv_dtype == "int8", FP8_CANDIDATES=FP8_SCALE_CANDIDATES if fp8 else 0,
-        HW_CVT=not triton.knobs.runtime.interpret, SPLIT_KV=split, UNROLL=FP8_WRITE_UNROLL if fp8 else 1,
+        HW_CVT=not triton.knobs.runtime.interpret, KV_PROGRAMS=kv_programs, UNROLL=FP8_WRITE_UNROLL if fp8 else 1,
         num_warps=FP8_WRITE_WARPS if fp8 else 4, **pdl.launch_args(k),
     )

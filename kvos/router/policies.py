@@ -265,8 +265,9 @@ class KVAware(Router):
             return 0
         return self.index[engine].prefix_hits(request_hashes)
 
-    def cost(self, engine: int, request_hashes: list[BlockHash], load: EngineLoad) -> float:
-        hits = self.predicted_hits(engine, request_hashes)
+    def cost(self, engine: int, request_hashes: list[BlockHash], load: EngineLoad, hits: int | None = None) -> float:
+        """The class docstring's cost; ``hits``: ``predicted_hits(engine, request_hashes)`` if known."""
+        hits = self.predicted_hits(engine, request_hashes) if hits is None else hits
         prefill = self.queue_weight * load.prefill_tokens / self.block_size + len(request_hashes) - hits
         return self.overlap_weight * prefill + load.active_blocks
 
@@ -281,41 +282,51 @@ class KVAware(Router):
         least = min(n.values())
         return [e for e in engines if n[e] - least <= balance_abs or n[e] <= balance_rel * least]
 
-    def shared_prefix(self, engine: int, request_hashes: list[BlockHash]) -> bool:
+    def shared_prefix(self, engine: int, request_hashes: list[BlockHash], hits: int | None = None) -> bool:
         """Whether the request's cached prefix on ``engine`` is shared: its last block was in
-        more than ``shared_threshold`` earlier routed requests (False with no prefix there)."""
-        hits = self.predicted_hits(engine, request_hashes)
+        more than ``shared_threshold`` earlier routed requests (False with no prefix there).
+        ``hits``: ``predicted_hits(engine, request_hashes)`` if known."""
+        hits = self.predicted_hits(engine, request_hashes) if hits is None else hits
         return hits > 0 and self.uses.get(request_hashes[hits - 1], 0) > self.shared_threshold
 
-    def allowed(self, request_hashes: list[BlockHash], loads: list[EngineLoad]) -> list[int]:
-        """The live engines both guards leave in, in number order (never empty)."""
+    def _hits(self, request_hashes: list[BlockHash], hits: dict[int, int] | None) -> dict[int, int]:
+        """``predicted_hits`` of every live engine (``hits`` when the caller has them)."""
+        return hits if hits is not None else {e: self.predicted_hits(e, request_hashes) for e in self._live()}
+
+    def allowed(self, request_hashes: list[BlockHash], loads: list[EngineLoad],
+                hits: dict[int, int] | None = None) -> list[int]:
+        """The live engines both guards leave in, in number order (never empty). ``hits``:
+        ``predicted_hits`` per live engine if known."""
         live = self._live()
         engines = self.balanced(live, loads)
         if not self.shared_threshold:
             return engines
+        hits = self._hits(request_hashes, hits)
         tight = set(self.balanced(live, loads, self.shared_balance))
-        return [e for e in engines if e in tight or not self.shared_prefix(e, request_hashes)]
+        return [e for e in engines if e in tight or not self.shared_prefix(e, request_hashes, hits[e])]
 
-    def sole_holder(self, request_hashes: list[BlockHash]) -> int | None:
+    def sole_holder(self, request_hashes: list[BlockHash], hits: dict[int, int] | None = None) -> int | None:
         """The live engine holding at least ``sole_margin`` more of the request's leading blocks
         than every other live engine (None: no such engine, one live engine, a live engine's
-        index stale, or the rule off)."""
+        index stale, or the rule off). ``hits``: ``predicted_hits`` per live engine if known."""
         live = self._live()
         if not self.sole_margin or any(self.stale[e] for e in live):
             return None
-        hits = sorted(((self.predicted_hits(e, request_hashes), e) for e in live), reverse=True)
-        if len(hits) < 2 or hits[0][0] - hits[1][0] < self.sole_margin:
+        hits = self._hits(request_hashes, hits)
+        ranked = sorted(((hits[e], e) for e in live), reverse=True)
+        if len(ranked) < 2 or ranked[0][0] - ranked[1][0] < self.sole_margin:
             return None
-        return hits[0][1]
+        return ranked[0][1]
 
     def choose(self, request_hashes: list[BlockHash], loads: list[EngineLoad]) -> int:
-        allowed = self.allowed(request_hashes, loads)
-        sole = self.sole_holder(request_hashes)
+        hits = self._hits(request_hashes, None)  # each engine's prefix looked up once per request
+        allowed = self.allowed(request_hashes, loads, hits)
+        sole = self.sole_holder(request_hashes, hits)
         if sole is not None and sole in allowed:
             return sole
         bs = self.block_size
-        return min(allowed,
-                   key=lambda e: (self.cost(e, request_hashes, loads[e]), loads[e].blocks(bs), self.routed[e], e))
+        return min(allowed, key=lambda e: (self.cost(e, request_hashes, loads[e], hits[e]), loads[e].blocks(bs),
+                                           self.routed[e], e))
 
     def on_routed(self, engine: int, request_hashes: list[BlockHash]) -> None:
         super().on_routed(engine, request_hashes)
