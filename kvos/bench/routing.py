@@ -16,10 +16,13 @@ Setup, and why:
   fleet's capacity: N times the request rate one engine sustains on the trace (measured: one
   engine of the same pool, every request of the first ``--calibration-requests`` arriving at
   once). ``--time-scale`` replays every N at that one scale instead (1: as recorded).
-- The reference runs one engine with N times the blocks at the time scale that loads that one
-  engine to ``--load``: it shows the hit rate a single shared cache of the fleet's size gets.
-  It has N times less compute than the fleet, so compare hit rates with it, and TTFT among the
-  routers only. ``upper_bound`` is the unbounded single-cache block hit rate counted from the
+- Two references, each one engine with N times the blocks. ``one engine, all the memory`` runs
+  at the time scale that loads that one engine to ``--load``: it has N times less compute than
+  the fleet and serves an N-th of its requests at once, so its running requests pin an N-th of
+  the blocks the fleet's do. ``one engine, all the memory and compute`` serves the fleet's own
+  arrivals with N times the bandwidth and matrix rate, N times ``max_num_seqs`` and
+  ``max_num_batched_tokens`` (an ideal N-way tensor-parallel engine): the same load on one
+  shared cache. Compare hit rates with them, and TTFT among the routers only. ``upper_bound`` is the unbounded single-cache block hit rate counted from the
   trace's hash ids (no simulation).
 - kv_aware and approx run at each ``--kv-weights`` (default 1, Dynamo's default, and 64). In
   Dynamo's cost ``w * (P + R - H) + A`` the weight scales the engine's queued prefill as well as
@@ -32,6 +35,7 @@ Setup, and why:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -55,6 +59,8 @@ ROUTER_SETTINGS = ("router_balance", "router_queue_weight", "router_shared_balan
 
 TRACES = {"conversation": "mooncake_conversation.jsonl.gz", "synthetic": "mooncake_synthetic.jsonl.gz"}
 REFERENCE = "one engine, all the memory"
+SCALED_REFERENCE = "one engine, all the memory and compute"
+REFERENCES = (REFERENCE, SCALED_REFERENCE)
 WEIGHTED = ("kv_aware", "approx")
 KEEP = ("block_hit_rate", "token_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s",
         "e2e_p90_s", "imbalance_requests", "imbalance_prompt_tokens", "imbalance_busy", "predicted_hit_blocks",
@@ -126,6 +132,12 @@ def _one(args: tuple) -> dict:
     if router == REFERENCE:
         cfg = SimConfig.of(block_size=512, num_blocks=blocks * engines, time_scale=time_scale * engines, **engine)
         r = Simulator(trace, cfg, cost).run()
+    elif router == SCALED_REFERENCE:
+        cfg = SimConfig.of(block_size=512, num_blocks=blocks * engines, time_scale=time_scale, **engine)
+        cfg = cfg.replace(max_num_seqs=cfg.engine.max_num_seqs * engines,
+                          max_num_batched_tokens=cfg.engine.max_num_batched_tokens * engines)
+        cost = dataclasses.replace(cost, bandwidth=cost.bandwidth * engines, flops=cost.flops * engines)
+        r = Simulator(trace, cfg, cost).run()
     else:
         cfg = SimConfig.of(block_size=512, num_blocks=blocks, time_scale=time_scale, **engine)
         routing = RouterConfig(router, 1.0 if weight is None else weight, **settings)
@@ -174,7 +186,7 @@ def run(a: argparse.Namespace) -> dict:
                   for n in a.engines}
         settings = config_kwargs(a, RouterConfig, ROUTER_SETTINGS)
         jobs = [(path, a.limit, n, r, w, blocks, scales[n], engine_kwargs(a, ENGINE_FIELDS), settings)
-                for n in a.engines for r in [REFERENCE, *a.routers]
+                for n in a.engines for r in [*REFERENCES, *a.routers]
                 for w in (a.kv_weights if r in WEIGHTED else [None])]
         rows = list(pool.map(_one, jobs))
     bound = upper_bound(trace)
@@ -193,28 +205,30 @@ def run(a: argparse.Namespace) -> dict:
     if a.plot:
         from kvos.sim.plots import plot_routing
 
-        plot_routing(rows, REFERENCE, Path(a.plot), f"Mooncake {a.trace} trace, {blocks} blocks per engine")
+        plot_routing(rows, REFERENCES, Path(a.plot), f"Mooncake {a.trace} trace, {blocks} blocks per engine")
     print(f"saved {out}" + (f" and {a.plot}" if a.plot else ""))
     return report
 
 
 def summarize(rows: list[dict], bound: float) -> list[dict]:
     """Per fleet size: each row's block hit rate; per kv_aware weight, its hit rate as a
-    fraction of the one-engine reference's (goal >= 0.95) and round_robin's p90 TTFT over its
-    own (goal >= 5)."""
+    fraction of each one-engine reference's (``reference``: all the memory; ``scaled reference``:
+    all the memory and compute) and round_robin's p90 TTFT over its own (goal >= 5)."""
     out = []
     for n in sorted({r["engines"] for r in rows}):
         at = {r["label"]: r for r in rows if r["engines"] == n}
-        ref, rr = at.get(REFERENCE), at.get("round_robin")
+        refs = {"reference": at.get(REFERENCE), "scaled reference": at.get(SCALED_REFERENCE)}
+        rr = at.get("round_robin")
         s: dict = {"engines": n, "upper_bound": round(bound, 4)}
-        s.update({f"{name} block_hit": round(r["block_hit_rate"], 4) for name, r in at.items() if name != REFERENCE})
-        if ref is not None:
-            s["reference block_hit"] = round(ref["block_hit_rate"], 4)
+        s.update({f"{name} block_hit": round(r["block_hit_rate"], 4) for name, r in at.items()
+                  if name not in REFERENCES})
+        s.update({f"{key} block_hit": round(ref["block_hit_rate"], 4) for key, ref in refs.items() if ref is not None})
         for name, kv in at.items():
             if kv["router"] != "kv_aware":
                 continue
-            if ref is not None and ref["block_hit_rate"] > 0:
-                s[f"{name} of reference hit"] = round(kv["block_hit_rate"] / ref["block_hit_rate"], 3)
+            for key, ref in refs.items():
+                if ref is not None and ref["block_hit_rate"] > 0:
+                    s[f"{name} of {key} hit"] = round(kv["block_hit_rate"] / ref["block_hit_rate"], 3)
             if rr is not None and kv["ttft_p90_s"]:
                 s[f"round_robin over {name} p90 TTFT"] = round(rr["ttft_p90_s"] / kv["ttft_p90_s"], 2)
         out.append(s)
@@ -224,19 +238,19 @@ def summarize(rows: list[dict], bound: float) -> list[dict]:
 def table(name: str, rows: list[dict], blocks: int, bound: float) -> str:
     lines = [f"\nMooncake {name} trace, {blocks} blocks of 512 tokens per engine; unbounded single-cache block hit "
              f"rate {bound:.1%}",
-             f"{'engines':>7}  {'router':<27}{'block hit':>10}{'token hit':>10}{'TTFT p50':>11}{'TTFT p90':>11}"
+             f"{'engines':>7}  {'router':<40}{'block hit':>10}{'token hit':>10}{'TTFT p50':>11}{'TTFT p90':>11}"
              f"{'TTFT p99':>11}{'TPOT p50':>10}{'imb req':>8}{'imb busy':>9}{'pred/got':>9}{'wall':>7}"]
     for r in rows:
         ms = lambda x: "-" if x is None else f"{x * 1e3:,.0f} ms"  # noqa: E731
         pred = (f"{r['predicted_hit_blocks'] / r['obtained_hit_blocks']:.2f}"
                 if r.get("obtained_hit_blocks") and r["router"] in ("kv_aware", "approx") else "-")
-        ref = r["router"] == REFERENCE
-        lines.append(f"{r['engines']:>7}  {r['label']:<27}{r['block_hit_rate']:>10.1%}{r['token_hit_rate']:>10.1%}"
+        ref = r["router"] in REFERENCES
+        lines.append(f"{r['engines']:>7}  {r['label']:<40}{r['block_hit_rate']:>10.1%}{r['token_hit_rate']:>10.1%}"
                      f"{'(' + ms(r['ttft_p50_s']) + ')' if ref else ms(r['ttft_p50_s']):>11}"
                      f"{'(' + ms(r['ttft_p90_s']) + ')' if ref else ms(r['ttft_p90_s']):>11}"
                      f"{'(' + ms(r['ttft_p99_s']) + ')' if ref else ms(r['ttft_p99_s']):>11}"
                      f"{ms(r['tpot_p50_s']):>10}"
                      f"{'-' if ref else format(r['imbalance_requests'], '.2f'):>8}"
                      f"{'-' if ref else format(r['imbalance_busy'], '.2f'):>9}{pred:>9}{r['sim_wall_s']:>6.0f}s")
-    lines.append("(the reference's TTFT, in parentheses, is one engine's at its own load: not comparable)")
+    lines.append("(the references' TTFT, in parentheses, is one engine's with other compute: not comparable)")
     return "\n".join(lines)

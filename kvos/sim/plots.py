@@ -51,17 +51,18 @@ def plot_ttft_cdf(results: dict[str, list[dict]], path: Path) -> Path:
     return path
 
 
-def plot_routing(rows: list[dict], reference: str, path: Path, title: str) -> Path:
-    """Two panels against the fleet size: block hit rate per row label (the one-engine reference
-    dashed) and p90 TTFT per router (the reference left out: it has N times less compute)."""
+def plot_routing(rows: list[dict], references: tuple[str, ...], path: Path, title: str) -> Path:
+    """Two panels against the fleet size: block hit rate per row label (the one-engine references
+    in black, dashed and dotted) and p90 TTFT per router (the references left out: their compute
+    differs from the fleet's)."""
     plt = _plt()
     fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     routers = list(dict.fromkeys(r["label"] for r in rows))
     for i, name in enumerate(routers):
         pts = sorted(((r["engines"], r) for r in rows if r["label"] == name), key=lambda p: p[0])
         ns = [n for n, _ in pts]
-        ref = name == reference
-        style = dict(color="k", ls="--") if ref else dict(color=f"C{i % 10}")
+        ref = name in references
+        style = dict(color="k", ls=("--", ":")[references.index(name) % 2]) if ref else dict(color=f"C{i % 10}")
         hit_ax.plot(ns, [100 * r["block_hit_rate"] for _, r in pts], marker="o", label=name, **style)
         if not ref:
             ttft_ax.plot(ns, [r["ttft_p90_s"] for _, r in pts], marker="o", label=name, **style)

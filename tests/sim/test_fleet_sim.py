@@ -419,10 +419,15 @@ def test_cli_bench_routing(tmp_path):
     assert (report["router_shared_balance"], report["router_shared_threshold"]) == (
         list(DEFAULT_SHARED_BALANCE), DEFAULT_SHARED_THRESHOLD)  # the settings it ran with
     rows = report["results"]
-    assert {r["label"] for r in rows} == {"one engine, all the memory", "round_robin", "least_loaded",
+    assert {r["label"] for r in rows} == {"one engine, all the memory", "one engine, all the memory and compute",
+                                         "round_robin", "least_loaded",
                                          "kv_aware w=1", "kv_aware w=64", "approx w=1", "approx w=64"}
     assert all(r["engines"] == 2 for r in rows)
     summary = report["summary"][0]
     assert summary["engines"] == 2 and "kv_aware w=64 of reference hit" in summary
+    assert "kv_aware w=64 of scaled reference hit" in summary
     ref = next(r for r in rows if r["router"] == "one engine, all the memory")
     assert ref["time_scale"] == pytest.approx(2 * report["time_scales"]["2"])
+    scaled = next(r for r in rows if r["router"] == "one engine, all the memory and compute")
+    assert scaled["time_scale"] == pytest.approx(report["time_scales"]["2"])  # the fleet's own arrivals
+    assert scaled["tpot_p50_s"] < 0.75 * ref["tpot_p50_s"]  # twice the compute: simulated steps about half as long
