@@ -83,7 +83,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if param is None and first.get("type") == "value_error":  # a model-level check names its field first
             message = str(first.get("msg", "")).removeprefix("Value error, ")
             return error_response(400, message, param=param_of_message(message))
-        details = dict.fromkeys(f"{param_of_loc(err.get('loc', ())) or 'body'}: {err.get('msg')}"
+        details = dict.fromkeys(f"{param_of_loc(err.get('loc', ())) or 'body'}: "
+                                f"{str(err.get('msg')).removeprefix('Value error, ')}"
                                 for err in errors)  # union members repeat the same complaint
         detail = "; ".join(list(details)[:3])
         return error_response(400, detail, param=param)

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvos.core.sampling_params import SamplingParams
 from kvos.core.structured_outputs import StructuredOutputsParams
@@ -213,6 +221,23 @@ class CompletionRequest(_Common):
         params = super().sampling_params(max_tokens, logprobs, defaults)
         params.prompt_logprobs = self.prompt_logprobs
         return params
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _parts(cls, p: object) -> object:
+        """A list holding an object is a prompt given as parts: each part is checked alone, so a
+        bad one is named (``segments[i]``) instead of every union member's complaint."""
+        if not (isinstance(p, list) and any(isinstance(x, dict) for x in p)):
+            return p
+        parts: list[SegmentPart] = []
+        for i, x in enumerate(p):
+            try:
+                kind = TokenSegment if isinstance(x, dict) and "token_ids" in x else TextSegment
+                parts.append(kind.model_validate(x))
+            except ValidationError:
+                raise ValueError(f'segments[{i}] must be {{"text": a string}} or {{"token_ids": a non-empty list '
+                                 f"of non-negative integers}}") from None
+        return parts
 
     @model_validator(mode="after")
     def _prompts(self):

@@ -56,3 +56,9 @@ def test_bad_part_is_a_400_naming_prompt(server):
     r = httpx.post(f"{server.url}/v1/completions", json={
         "model": MODEL, "prompt": [{"text": "a"}, {"token_ids": [10 ** 9]}]}, timeout=30)
     assert r.status_code == 400 and "segments[1]" in r.json()["error"]["message"]
+    for bad in ({"foo": 1}, {"text": 5}, {"token_ids": []}):  # the bad part is named, not the good one before it
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [{"text": "a"}, bad]},
+                       timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "prompt", error
+        assert error["message"].startswith("prompt: segments[1] must be"), error
