@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvos.bench.roofline import cuda_graph_ms
+from kvos.bench.roofline import cuda_graph_ms, cycling
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336)}
@@ -77,14 +77,7 @@ for name, (n, k) in SHAPES.items():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ ws[0].double().t()
         tol = 2 * ref.abs() * 2 ** -8 + 1e-3
-        state = {"i": 0}
-
-        def cycle(fn):
-            def call():
-                fn(ws[state["i"] % copies])
-                state["i"] += 1
-            return call
-        cublas = cuda_graph_ms(cycle(lambda w: F.linear(x, w)), 2 * copies, 10)
+        cublas = cuda_graph_ms(cycling(lambda w: F.linear(x, w), ws), 2 * copies, 10)
         row = {"weight": name, "shape": [n, k], "rows": m, "cublas_ms": round(cublas, 4),
                "cublas_GBps": round(n * k * 2 / cublas / 1e6)}
         best = None
@@ -98,7 +91,7 @@ for name, (n, k) in SHAPES.items():
                 assert ((out.double() - ref).abs() <= tol).all(), (name, m, c)
                 again = rows_gemm(x, ws[0], block_m, *c)
                 assert torch.equal(out, again), (name, m, c)  # the split order is fixed
-                ms = cuda_graph_ms(cycle(lambda w, c=c: rows_gemm(x, w, block_m, *c)), 2 * copies, 10)
+                ms = cuda_graph_ms(cycling(lambda w, c=c: rows_gemm(x, w, block_m, *c), ws), 2 * copies, 10)
             except triton.runtime.errors.OutOfResources:
                 continue
             if best is None or ms < best[0]:

@@ -11,7 +11,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from kvos.bench.roofline import cuda_graph_ms
+from kvos.bench.roofline import cuda_graph_ms, cycling
 from kvos.kernels import gemv
 from kvos.kernels.gemv import GemvTiles
 
@@ -29,18 +29,11 @@ for name, (n, k) in SHAPES.items():
         tol = 2 * ref.abs() * 2 ** -8 + 1e-4
         out = gemv.matmul(x, ws[0])
         assert ((out.double() - ref).abs() <= tol).all(), (name, m)
-        state = {"i": 0}
-
-        def cycle(fn):
-            def call():
-                fn(ws[state["i"] % copies])
-                state["i"] += 1
-            return call
         row = {"weight": name, "shape": [n, k], "rows": m,
-               "cublas_ms": cuda_graph_ms(cycle(lambda w: F.linear(x, w)), 2 * copies, 10)}
+               "cublas_ms": cuda_graph_ms(cycling(lambda w: F.linear(x, w), ws), 2 * copies, 10)}
         best = None
         for t in ONE:
-            ms = cuda_graph_ms(cycle(lambda w, t=t: gemv.matmul(x, w, tiles=t)), 2 * copies, 10)
+            ms = cuda_graph_ms(cycling(lambda w, t=t: gemv.matmul(x, w, tiles=t), ws), 2 * copies, 10)
             row[f"{t.block_n}x{t.block_k}w{t.warps}s{t.stages}"] = round(ms, 4)
             if best is None or ms < best[0]:
                 best = (ms, t)

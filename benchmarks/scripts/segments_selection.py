@@ -35,7 +35,7 @@ from kvos.bench.segments import build_set
 from kvos.models import ops
 
 RULES = ("head", "cacheblend_l1", "cacheblend_l2_sink4", "deviation_l1_sink4", "oracle_kv",
-         "question_attention_sink4")
+         "question_attention_sink4", "deep_layers", "deep_layers_sink4")
 
 
 class Study:
@@ -46,19 +46,29 @@ class Study:
             raise SystemExit("this study's forward pass is Llama's (the default model)")
         self.L = self.model.cfg.num_layers
 
-    def forward(self, ids, sets, reused=None, record=False, qrows=None):
-        """Rows ``sets[l]`` (bool [N], non-increasing) computed at layer l; the others' K/V from
-        ``reused`` (per layer, keys before rotation). Returns the last computed rows' hidden
-        states, each layer's K/V (``record``), and the attention mass of rows ``qrows`` per key."""
+    def forward(self, ids, sets, reused=None, record=False, qrows=None, inject=None):
+        """Rows ``sets[l]`` (bool [N], non-increasing, except at ``inject``'s layer) computed at
+        layer l; the others' K/V from ``reused`` (per layer, keys before rotation). ``inject =
+        (d, streams)``: at layer d the rows of ``sets[d]`` not computed before enter with
+        ``streams[d]`` (the residual stream entering layer d, [N, hidden]: a document's own,
+        computed alone). Returns the last computed rows' hidden states, each layer's K/V and
+        entering stream (``record``), and the attention mass of rows ``qrows`` per key."""
         m = self.model
         N = len(ids)
         pos = torch.arange(N)
         x, residual, cur = m.embed_tokens(torch.tensor(ids)), None, torch.ones(N, dtype=torch.bool)
-        kvs, attn = [], []
+        kvs, attn, streams = [], [], []
         for i, ly in enumerate(m.layers):
-            keep = sets[i][cur]
-            x = x[keep]
-            residual = residual[keep] if residual is not None else None
+            if inject is not None and i == inject[0]:
+                full = inject[1][i].clone()
+                full[cur] = x + residual if residual is not None else x
+                x, residual = full[sets[i]], torch.zeros_like(full[sets[i]])
+            else:
+                keep = sets[i][cur]
+                x = x[keep]
+                residual = residual[keep] if residual is not None else None
+            if record:
+                streams.append(x + residual if residual is not None else x)
             cur = sets[i]
             r = pos[cur]
             att = ly.self_attn
@@ -86,6 +96,8 @@ class Study:
                 attn.append(sc.softmax(-1).sum((0, 1)))
             h, residual = ly.post_attention_layernorm(att.o_proj(o.transpose(0, 1).reshape(-1, att.q_size)), residual)
             x = ly.mlp(h)
+        if record:
+            kvs = (kvs, streams)
         return m.norm(x, residual)[0], kvs, attn
 
     def prompt(self, segs, shares) -> dict:
@@ -99,7 +111,7 @@ class Study:
         tgt = torch.tensor(cont)
         everything = torch.ones(N, dtype=torch.bool)
         qs = spans[-1][0]
-        hid, kv_full, qattn = self.forward(full, [everything] * L, record=True, qrows=torch.arange(qs, len(ids)))
+        hid, (kv_full, _), qattn = self.forward(full, [everything] * L, record=True, qrows=torch.arange(qs, len(ids)))
 
         def nll(h) -> float:
             return float(-torch.log_softmax(self.model.compute_logits(h[-len(cont):]).double(), -1)
@@ -111,12 +123,15 @@ class Study:
         reused = [(torch.zeros(N, cfg.num_kv_heads, cfg.head_dim), torch.zeros(N, cfg.num_kv_heads, cfg.head_dim))
                   for _ in range(L)]
         docmask = torch.zeros(N, dtype=torch.bool)
+        streams = [torch.zeros(N, cfg.hidden_size) for _ in range(L)]
         for s, e in docs:
             src = header + ids[s:e]
-            _, alone, _ = self.forward(src, [torch.ones(len(src), dtype=torch.bool)] * L, record=True)
+            _, (alone, alone_streams), _ = self.forward(src, [torch.ones(len(src), dtype=torch.bool)] * L,
+                                                        record=True)
             for layer in range(L):
                 reused[layer][0][s:e] = alone[layer][0][len(header):]
                 reused[layer][1][s:e] = alone[layer][1][len(header):]
+                streams[layer][s:e] = alone_streams[layer][len(header):]
             docmask[s:e] = True
         ndoc = int(docmask.sum())
         dev = [(kv_full[i][0] - reused[i][0]).pow(2).sum((1, 2)) + (kv_full[i][1] - reused[i][1]).pow(2).sum((1, 2))
@@ -145,8 +160,17 @@ class Study:
                 score[heads(0, sink)] = float("inf")
             return [everything] * (layer + 1) + [~docmask | top(score, share)] * (L - layer - 1)
 
+        def deep(share, sink):
+            # the last ceil(share * L) layers compute every row, documents entering with their own
+            # stream from the layer before (a document computed alone); the layers before reuse
+            d = L - math.ceil(share * L)
+            return [~docmask | heads(0, sink)] * d + [everything] * (L - d), (d, streams)
+
         res = {"tokens": N, "doc_tokens": ndoc, "continuation": len(cont), "nll_full": nll(hid), "rules": {}}
         for share in shares:
+            for rule, sink in (("deep_layers", 0), ("deep_layers_sink4", 4)):
+                sets, inject = deep(share, sink)
+                res["rules"][f"{rule}@{share}"] = nll(self.forward(full, sets, reused, inject=inject)[0])
             sets = {"head": every_layer(heads(share)),
                     "cacheblend_l1": blend(share, 1, 0),
                     "cacheblend_l2_sink4": blend(share, 2, 4),

@@ -8,6 +8,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 
+def cycling(fn, items: list):
+    """A callable that calls ``fn`` on the next of ``items`` each time, round robin: a weight per
+    call in a timed graph, each out of L2 when ``items`` hold more bytes than the cache."""
+    state = {"i": 0}
+
+    def call():
+        fn(items[state["i"] % len(items)])
+        state["i"] += 1
+    return call
+
+
 def cuda_median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of ``fn()`` (the upper one for even ``reps``) over ``reps`` calls
     after ``warmup`` untimed ones, each between two CUDA events on the current stream."""
