@@ -717,8 +717,14 @@ class LLMEngine:
             ureq.first_token_time = ureq.first_token_time or now
             spec = seq.sampling_params.structured_outputs
             if (spec is not None and self.matchers.advance(seq.request_id, spec, seq.output_token_ids)
-                    and not seq.is_finished):  # the grammar is complete: nothing more may follow
-                self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
+                    and not seq.is_finished):  # the grammar is complete (nothing more may follow) or broke
+                broke = self.matchers.error(seq.request_id)
+                if broke is not None:  # the output so far is not known to match: never a plain "stop"
+                    log.warning("request %s: its output constraint failed after %d tokens: %s",
+                                seq.request_id, len(seq.output_token_ids), broke)
+                    seq.stop_reason = f"{spec.field_name}: the constraint failed during generation ({broke})"
+                self.scheduler.finish_request(
+                    seq.request_id, RequestStatus.FINISHED_STOPPED if broke is None else RequestStatus.FINISHED_ABORTED)
             self._record(ureq, seq, sampled[seq.request_id])
             touched[ureq.request_id] = ureq
         for rid in out.finished_ids:

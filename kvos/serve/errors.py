@@ -39,10 +39,18 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+REQUEST_FIELD = {"prompt_token_ids": "prompt"}
+"""The request field behind an engine (Python API) field a message names: a completions prompt
+of token ids is the engine's ``prompt_token_ids``."""
+
+
 def param_of_message(message: str) -> str | None:
-    """Our ValueErrors start with the field they are about (``"max_tokens must be ..."``)."""
+    """Our ValueErrors start with the field they are about (``"max_tokens must be ..."``), named
+    as the request names it."""
     head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.replace("_", "").replace(".", "").replace("[", "").replace("]", "").isalnum() else None
+    if not head.replace("_", "").replace(".", "").replace("[", "").replace("]", "").isalnum():
+        return None
+    return REQUEST_FIELD.get(head, head)
 
 
 def param_of_loc(loc: tuple | list) -> str | None:

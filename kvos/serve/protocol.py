@@ -122,6 +122,17 @@ class _Common(BaseModel):
     return_token_ids: bool | None = None
     speculative: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: object) -> object:
+        """A field sent as ``null`` takes its default (OpenAI's and vLLM's reading: ``"stream":
+        null``, ``"n": null``), so clients that serialise every optional field still validate."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and fields[k].default is not None)}
+
     @model_validator(mode="after")
     def _check(self):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -215,6 +226,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict | None = None) -> SamplingParams:
@@ -246,6 +258,8 @@ class CompletionRequest(_Common):
             raise ValueError("prompt: must not be empty")
         if isinstance(p, list) and len(p) > 64 and not isinstance(p[0], int):
             raise ValueError("prompt: at most 64 prompts per request")
+        if self.suffix:
+            raise ValueError("suffix: text after the insertion point is not supported by this server")
         return self
 
     def prompts(self) -> list:
@@ -302,6 +316,12 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallItem] | None = None
+    # an assistant message as the openai client returns it (``message.model_dump()``) can be sent
+    # back: its refusal text, empty annotations and null audio / function_call are not prompt text
+    refusal: str | None = None
+    annotations: list[dict] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _tool_fields(self):
@@ -335,12 +355,22 @@ class ChatCompletionRequest(_Common):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields accepted and not acted on: nothing is stored, there is one service tier, a
+    # prediction only speeds generation up where a server uses it, these models do not reason
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prediction: dict | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = None
 
     @model_validator(mode="after")
     def _no_legacy_functions(self):
         for name, feature in _UNSUPPORTED.items():
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: {feature} is not supported by this server")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
         return self
 
     def effective_max_tokens(self) -> int | None:

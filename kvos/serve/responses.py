@@ -13,9 +13,11 @@ def sse(obj: dict | str) -> str:
 
 
 def finish_reason(c: CompletionOutput) -> str | None:
+    """``stop``, ``length``, or ``abort`` (vLLM's: the engine cut the sequence, e.g. its output
+    constraint failed; ``stop_reason`` says why)."""
     if c.finish_reason is None:
         return None
-    return "length" if c.finish_reason == "length" else "stop"
+    return c.finish_reason if c.finish_reason in ("length", "abort") else "stop"
 
 
 def system_fingerprint(*parts: object) -> str:

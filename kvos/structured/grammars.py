@@ -106,8 +106,10 @@ class GrammarCompiler:
         field = f"{spec.field_name}.{spec.kind}"
         try:
             grammar = grammar_text(spec)
-        except ValueError:
-            raise
+        except ValueError as e:  # ours name the field; a library's (llguidance's schema reader) does not
+            if str(e).startswith(spec.field_name):
+                raise
+            raise ValueError(f"{field}: {_clip(str(e))}") from None
         except Exception as e:
             raise ValueError(f"{field}: cannot be compiled ({_clip(str(e))})") from None
         m = llguidance.LLMatcher(tok, grammar, log_level=0)

@@ -76,6 +76,15 @@ class SequenceMatchers:
         self._catch_up(s, output_ids)
         return s.matcher.is_stopped() or s.matcher.is_error()
 
+    def error(self, request_id: str) -> str | None:
+        """Why ``request_id``'s grammar broke (llguidance's message, e.g. a regex whose lexer grew
+        past its limits mid-generation), or None while it holds."""
+        s = self._seqs.get(request_id)
+        if s is None or not s.matcher.is_error():
+            return None
+        lines = (s.matcher.get_error() or "").strip().splitlines()  # its first line; a grammar dump follows
+        return lines[0][:200] if lines else "the grammar failed"
+
     def _catch_up(self, s: _Seq, output_ids: list[int]) -> None:
         new = output_ids[s.consumed:]
         if new and not s.matcher.is_error():

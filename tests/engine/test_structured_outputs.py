@@ -91,7 +91,27 @@ def test_compiled_grammars_are_cached_and_bad_ones_name_the_field(llm):
                      use_tqdm=False)
     with pytest.raises(ValueError, match=r"^structured_outputs: set exactly one"):
         SO(regex="a", choice=["b"])
+    deep = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for schema in (deep, {"type": "string", "pattern": "\ud800"}):  # llguidance's own errors name the field too
+        with pytest.raises(ValueError, match=r"^response_format\.json_schema\.json: "):
+            spec = SO(json=schema, field_name="response_format.json_schema")
+            llm.generate(["x"], SamplingParams(structured_outputs=spec), use_tqdm=False)
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids  # still serves
+
+
+def test_a_constraint_that_breaks_mid_generation_is_cut_not_stopped(llm):
+    """llguidance compiles ``a{1000000}`` but its lexer gives up after a few tokens: the output so
+    far does not match the constraint, so the sequence ends as ``abort`` with the reason, never
+    as a plain ``stop``; a constraint that holds still ends as ``stop``."""
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=SO(regex="a{1000000}"))
+    broken = llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0]
+    assert broken.finish_reason == "abort" and len(broken.token_ids) < 12
+    assert broken.stop_reason.startswith("structured_outputs: the constraint failed during generation (")
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=SO(regex="[a-z]{5}"))
+    held = llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0]
+    assert held.finish_reason == "stop" and held.stop_reason is None and len(held.text) == 5
 
 
 def test_mask_matches_a_per_token_reference():

@@ -9,7 +9,6 @@ import httpx
 import jsonschema
 import pytest
 
-
 MODEL = "SmolLM2-135M-Instruct"
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
         "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
@@ -60,6 +59,11 @@ def test_vllm_guided_fields_on_completions(client):
         chunks = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=40, temperature=1.0, seed=2,
                                            extra_body=extra, stream=True)
         assert check("".join(ch.choices[0].text for ch in chunks if ch.choices)), extra
+    broken = client.completions.create(model=MODEL, prompt="hi", max_tokens=12, temperature=0,
+                                       extra_body={"guided_regex": "a{1000000}"})  # llguidance gives up mid-way
+    choice = broken.choices[0]
+    assert choice.finish_reason == "abort"
+    assert "guided_regex: the constraint failed" in choice.model_extra["stop_reason"]
 
 
 @pytest.mark.parametrize("body, param", [
