@@ -121,6 +121,8 @@ class _Common(BaseModel):
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     return_token_ids: bool | None = None
     speculative: bool = True
+    include_stop_str_in_output: bool = False  # vLLM: the matched stop string stays in the text
+    skip_special_tokens: bool = True  # vLLM: false keeps special tokens' text in the output
 
     @model_validator(mode="before")
     @classmethod
@@ -195,7 +197,8 @@ class _Common(BaseModel):
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, speculative=self.speculative,
-            structured_outputs=self.structured())
+            structured_outputs=self.structured(), include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
 
 
 class TextSegment(BaseModel):

@@ -232,6 +232,19 @@ def test_nulls_openai_fields_and_a_returned_message_are_accepted(server):
     assert again.choices[0].finish_reason in ("stop", "length")
 
 
+def test_vllm_stop_string_and_special_token_options(server):
+    """vLLM's ``include_stop_str_in_output`` keeps the matched stop string; ``skip_special_tokens:
+    false`` keeps special tokens' text (``<|im_end|>``, forced here by a logit bias)."""
+    base = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 8, "temperature": 0, "stop": [","]}
+    cut = post(server, "/v1/completions", base).json()["choices"][0]
+    kept = post(server, "/v1/completions", {**base, "include_stop_str_in_output": True}).json()["choices"][0]
+    assert cut["finish_reason"] == kept["finish_reason"] == "stop" and kept["text"] == cut["text"] + ","
+    forced = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logit_bias": {"2": 100}}
+    assert post(server, "/v1/completions", forced).json()["choices"][0]["text"] == ""
+    shown = post(server, "/v1/completions", {**forced, "skip_special_tokens": False}).json()["choices"][0]["text"]
+    assert shown == "<|im_end|>" * 2
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]},
