@@ -15,7 +15,11 @@ compared with full prefill's. Rules, each at the same share of document tokens:
 - ``deviation_l1_sink4``: the rows of largest layer-1 deviation plus the first 4, at every layer;
 - ``oracle_kv``: the rows whose reused K/V differ most from full prefill's, summed over layers;
 - ``question_attention_sink4``: the rows the question attends to most (full prefill's attention,
-  summed over layers), plus the first 4 (an oracle of query-aware selection).
+  summed over layers), plus the first 4 (an oracle of query-aware selection);
+- ``deep_layers`` (``_sink4``): no document row is recomputed in the first layers; the last
+  ``ceil(share * layers)`` layers compute every row, each document entering them with the
+  residual stream it had when computed alone (the layers, not the tokens, are the share; with
+  ``_sink4`` each document's first 4 tokens are computed at every layer).
 
     python benchmarks/scripts/segments_selection.py --prompts 12 --output benchmarks/results/segments-selection-cpu.json
 """
