@@ -81,7 +81,8 @@ def split_image_parts(messages) -> tuple[list, list[tuple[str, object]]]:
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, tools: list[dict] | None = None,
-                    expand: Callable[[str], str] | None = None) -> list[int]:
+                    expand: Callable[[str], str] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template and tokenize the result.
 
     Contract: the special tokens the template writes become their ids; special-token text inside
@@ -90,7 +91,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     add_special_tokens)``. ``add_special_tokens`` adds the tokenizer's own BOS/EOS (the template
     usually holds them already). ``tools`` (OpenAI's tool list) go to a template that renders
     them, under the same rule. ``expand`` rewrites the template's own text before tokenizing
-    (an image's start token into its whole token sequence). Raises ``ValueError`` (a 400 naming ``messages``) for invalid
+    (an image's start token into its whole token sequence). ``continue_final_message``: the
+    prompt ends inside the last (assistant) message, which the model continues (an assistant
+    prefill); ``template_kwargs`` go to the template as variables (``enable_thinking``). Raises ``ValueError`` (a 400 naming ``messages``) for invalid
     messages, a model without a template, or a template or tokenizer that rejects them."""
     if not has_chat_template(tokenizer):
         raise ValueError("messages: this model has no chat template (a base model); send a plain "
@@ -100,11 +103,12 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     given = [messages, tools or []]
     expand = expand or (lambda text: text)
     if control is None or not any(control.search(s) for s in _strings(given)):
-        return _encode(tokenizer, expand(_render(tokenizer, messages, add_generation_prompt, tools)),
-                       add_special_tokens)
+        return _encode(tokenizer, expand(_render(tokenizer, messages, add_generation_prompt, tools,
+                                                 continue_final_message, template_kwargs)), add_special_tokens)
     start, end = _free_markers(given)
     marked = _mark(messages, control, start, end)
-    text = _render(tokenizer, marked, add_generation_prompt, _mark(tools, control, start, end) if tools else None)
+    text = _render(tokenizer, marked, add_generation_prompt, _mark(tools, control, start, end) if tools else None,
+                   continue_final_message, template_kwargs)
     # [template text, marked token (or None: a lone marker the template split off), template text, ...]
     pieces = re.split(f"{start}({control.pattern}){end}|[{start}{end}]", text)
     try:
@@ -148,11 +152,24 @@ def clip(value: object, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "chat_template", "return_dict"})
+"""What ``template_kwargs`` may not set: the rendering's own arguments."""
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+            continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+    if continue_final_message and (add_generation_prompt or messages[-1].get("role") != "assistant"):
+        raise ValueError("continue_final_message: needs add_generation_prompt false and an assistant message last")
+    reserved = TEMPLATE_ARGUMENTS.intersection(template_kwargs or ())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: may not set {', '.join(sorted(reserved))}")
     try:
         extra = {"tools": tools} if tools else {}
+        if continue_final_message:
+            extra["continue_final_message"] = True
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             **extra)
+                                             **extra, **(template_kwargs or {}))
     except ValueError:
         raise
     except Exception as e:  # template errors (e.g. jinja raise_exception) are the input's fault

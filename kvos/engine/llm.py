@@ -77,10 +77,14 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, cache_salt: str | None = None,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate
-        (with ``segment_reuse``, each message is a segment)."""
+        (with ``segment_reuse``, each message is a segment). ``continue_final_message``: the model
+        continues the last (assistant) message (with ``add_generation_prompt=False``);
+        ``chat_template_kwargs``: variables for the template (vLLM's names)."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
+        template = {"continue_final_message": continue_final_message, "template_kwargs": chat_template_kwargs}
         prompts = []
         for c in convs:
             c, images = split_image_parts(c)
@@ -88,10 +92,10 @@ class LLM:
                 prepared = self.engine.prompt_images({"image": [src for _, src in images]},
                                                       [where for where, _ in images])
                 ids = chat_prompt_ids(self.engine.tokenizer, c, add_generation_prompt,
-                                      expand=lambda text, p=prepared: self._expand(text, p))
+                                      expand=lambda text, p=prepared: self._expand(text, p), **template)
                 prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": prepared}})
                 continue
-            ids = self.chat_token_ids(c, add_generation_prompt)
+            ids = chat_prompt_ids(self.engine.tokenizer, c, add_generation_prompt, **template)
             spans = message_spans(self.engine.tokenizer, c, ids) if self.engine.config.segment_reuse else ()
             prompts.append({"prompt_token_ids": ids, "segment_spans": spans})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)

@@ -286,16 +286,19 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         state.check_fits(_user_text(messages), "messages")
         messages, images = split_image_parts(messages)
         media = state.require_media(images)
+        template = {"add_generation_prompt": body.add_generation_prompt,
+                    "continue_final_message": body.continue_final_message,
+                    "template_kwargs": body.chat_template_kwargs}
         with state.tokenizing(body.n):
             if images:  # decoded and preprocessed on a worker thread, each error naming its part
                 prepared = await state.tokenizers.run(lambda tok: [media.prepare(src, where) for where, src in images])
                 ids = await state.tokenizers.run(lambda tok: chat_prompt_ids(
                     tok, messages, tools=template_tools,
-                    expand=lambda text: expand_image_text(text, tok, media.vision, prepared)))
+                    expand=lambda text: expand_image_text(text, tok, media.vision, prepared), **template))
                 spans = ()
             else:
                 ids, spans = await state.tokenizers.run(lambda tok: _chat_ids_and_spans(
-                    tok, messages, template_tools, state.segment_reuse))
+                    tok, messages, template_tools, state.segment_reuse, template))
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens", "messages")
         top_n = body.top_logprobs or 0
@@ -453,9 +456,10 @@ def _messages(messages) -> list[dict]:
     return out
 
 
-def _chat_ids_and_spans(tokenizer, messages: list[dict], tools, segments: bool):
-    """The chat's prompt ids and, when the engines reuse segments, each message's span."""
-    ids = chat_prompt_ids(tokenizer, messages, tools=tools)
+def _chat_ids_and_spans(tokenizer, messages: list[dict], tools, segments: bool, template: dict):
+    """The chat's prompt ids (``template``: ``chat_prompt_ids``'s template options) and, when the
+    engines reuse segments, each message's span."""
+    ids = chat_prompt_ids(tokenizer, messages, tools=tools, **template)
     return ids, message_spans(tokenizer, messages, ids, tools) if segments else ()
 
 

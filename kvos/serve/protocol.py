@@ -366,9 +366,15 @@ class ChatCompletionRequest(_Common):
     prediction: dict | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     modalities: list[Literal["text"]] | None = None
+    # vLLM's chat template controls
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _no_legacy_functions(self):
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message: needs add_generation_prompt false and an assistant message last")
         for name, feature in _UNSUPPORTED.items():
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: {feature} is not supported by this server")

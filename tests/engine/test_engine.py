@@ -32,6 +32,20 @@ def test_chat_applies_the_template(llm):
     assert out.outputs[0].finish_reason in ("stop", "length")
 
 
+def test_chat_continues_the_final_message(llm, tokenizer):
+    prefill = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    out = llm.chat(prefill, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    text = tokenizer.apply_chat_template(prefill, tokenize=False, add_generation_prompt=False,
+                                         continue_final_message=True)
+    assert out.prompt_token_ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert out.outputs[0].text.lstrip().startswith("4")
+    with pytest.raises(ValueError, match="^continue_final_message: "):
+        llm.chat(prefill, use_tqdm=False, continue_final_message=True)  # a generation prompt after it
+    with pytest.raises(ValueError, match="^chat_template_kwargs: may not set messages"):
+        llm.chat(prefill[:1], use_tqdm=False, chat_template_kwargs={"messages": []})
+
+
 def test_eos_stops_unless_ignored(llm):
     out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=200),
                    use_tqdm=False)[0]

@@ -232,6 +232,30 @@ def test_nulls_openai_fields_and_a_returned_message_are_accepted(server):
     assert again.choices[0].finish_reason in ("stop", "length")
 
 
+def test_chat_template_options(server, tokenizer):
+    """vLLM's ``add_generation_prompt``, ``continue_final_message`` (an assistant prefill the
+    model continues) and ``chat_template_kwargs``: the prompt is the template's own rendering
+    with them (transformers' ``apply_chat_template``)."""
+    prefill = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    for options, want in [
+        ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+        ({"add_generation_prompt": False, "continue_final_message": True},
+         {"add_generation_prompt": False, "continue_final_message": True}),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, {"add_generation_prompt": True}),
+    ]:
+        body = {"messages": prefill, "max_tokens": 3, "temperature": 0, "return_token_ids": True, **options}
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        ids = tokenizer.apply_chat_template(prefill, tokenize=False, **want)
+        assert r.json()["choices"][0]["prompt_token_ids"] == tokenizer(ids, add_special_tokens=False).input_ids, options
+    continued = post(server, "/v1/chat/completions", {"messages": prefill, "max_tokens": 6, "temperature": 0,
+                                                      "add_generation_prompt": False, "continue_final_message": True})
+    assert continued.json()["choices"][0]["message"]["content"].lstrip().startswith("4")
+    for bad, param in [({"continue_final_message": True}, "continue_final_message"),  # with a generation prompt
+                       ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")]:
+        assert_400(post(server, "/v1/chat/completions", {"messages": prefill, "max_tokens": 1, **bad}), param)
+
+
 def test_vllm_stop_string_and_special_token_options(server):
     """vLLM's ``include_stop_str_in_output`` keeps the matched stop string; ``skip_special_tokens:
     false`` keeps special tokens' text (``<|im_end|>``, forced here by a logit bias)."""
