@@ -6,7 +6,7 @@ expected, as OpenAI does); floats must be finite; a model name is at most ``MODE
 characters. Every failure is a 400 whose ``param`` names the field (``kvos.serve.errors``)."""
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -43,6 +43,11 @@ TokenIdKey = Annotated[int, BeforeValidator(_token_id_key)]
 SEED_DOMAIN = 1 << 63
 """The engine's sampler seeds a generator with ``seed % 2**63``; the API takes any 64-bit signed
 integer (OpenAI's and vLLM's range) and maps it there the same way."""
+
+
+def _nullable(field) -> bool:
+    """Whether a pydantic field's type admits None (``int | None``, ``None``)."""
+    return field.annotation is None or field.annotation is type(None) or type(None) in get_args(field.annotation)
 
 
 class StreamOptions(BaseModel):
@@ -127,13 +132,14 @@ class _Common(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: object) -> object:
-        """A field sent as ``null`` takes its default (OpenAI's and vLLM's reading: ``"stream":
-        null``, ``"n": null``), so clients that serialise every optional field still validate."""
+        """A field that cannot hold ``null`` takes its default when sent as ``null`` (OpenAI's and
+        vLLM's reading: ``"stream": null``, ``"n": null``), so clients that serialise every
+        optional field still validate; a field that can keeps its own meaning of it
+        (``"max_tokens": null``: up to the context)."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if not (v is None and k in fields and fields[k].default is not None)}
+        return {k: v for k, v in data.items() if not (v is None and k in fields and not _nullable(fields[k]))}
 
     @model_validator(mode="after")
     def _check(self):

@@ -219,6 +219,7 @@ def test_nulls_openai_fields_and_a_returned_message_are_accepted(server):
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stream": None, "n": None,
                                          "echo": None, "logprobs": None, "suffix": None})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    assert CompletionRequest(prompt="a", max_tokens=None).max_tokens is None  # a field that can be null keeps it
     client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     first = [{"role": "user", "content": "Name a colour."}]
     reply = client.chat.completions.create(
