@@ -119,14 +119,19 @@ def engine_kwargs(a: argparse.Namespace, only: Iterable[str] | None = None) -> d
     return config_kwargs(a, EngineConfig, only)
 
 
-def positive(tp: type) -> typing.Callable[[str], typing.Any]:
-    """An argparse type: a positive ``tp``."""
+def positive(tp: type, zero: bool = False) -> typing.Callable[[str], typing.Any]:
+    """An argparse type: a positive ``tp`` (``zero``: or 0)."""
     def parse(value: str):
         try:
             v = tp(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{value!r} is not a {tp.__name__}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        if not (v > 0 or zero and v == 0):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else 'positive'}, got {value}")
         return v
     return parse
+
+
+def non_negative(tp: type) -> typing.Callable[[str], typing.Any]:
+    """An argparse type: a ``tp`` >= 0."""
+    return positive(tp, zero=True)

@@ -1,6 +1,7 @@
 """Sampling parameters, mirroring vLLM's ``SamplingParams``. Pure Python."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvos.core.structured_outputs import StructuredOutputsParams
@@ -52,6 +53,10 @@ class SamplingParams:
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self._stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
@@ -84,11 +89,21 @@ class SamplingParams:
         return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
 
     def validate(self, vocab_size: int | None = None) -> None:
+        """ValueError naming the first bad field. Integers are never booleans and numbers are
+        finite: a value the sampler cannot take must not reach a step (it would fail there)."""
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.speculative, bool):
-            raise bad("speculative", "must be true or false")
+        for name in ("speculative", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):
+                raise bad(name, "must be an integer, not a boolean")
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
         if not isinstance(self.n, int) or self.n < 1:
@@ -111,14 +126,17 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
+        stop_ids: list = self.stop_token_ids  # a list since __post_init__
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if vocab_size is not None and any(t >= vocab_size for t in stop_ids):
+            raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or isinstance(self.prompt_logprobs, bool)
-                                                 or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", "must be an integer >= 0 or None")
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20] or None")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2 <= v <= 2:

@@ -43,8 +43,8 @@ def split_image_parts(messages) -> tuple[list, list[tuple[str, object]]]:
     (``{"type": "text", "text"}``) kept, image parts (OpenAI's ``{"type": "image_url",
     "image_url": {"url"}}``, or ``{"type": "image", "image": ...}`` with a PIL image, bytes, a data
     URL or a path) replaced by ``{"type": "image"}``; a message without images gets its text
-    parts joined into one string (what templates of text models expect). Returns the messages
-    and each image's (field name, source), in order. ``ValueError`` naming a malformed part."""
+    parts joined with newlines into one string (what templates of text models expect; vLLM joins
+    them so). Returns the messages and each image's (field name, source), in order. ``ValueError`` naming a malformed part."""
     if not isinstance(messages, list) or not any(isinstance(m, dict) and isinstance(m.get("content"), list)
                                                  for m in messages):
         return messages, []
@@ -75,7 +75,7 @@ def split_image_parts(messages) -> tuple[list, list[tuple[str, object]]]:
             else:
                 raise ValueError(f"{where} must be {{'type': 'text', 'text': ...}} or an image part "
                                  f"({{'type': 'image_url', 'image_url': {{'url': ...}}}})")
-        out.append({**m, "content": parts if has_image else "".join(texts)})
+        out.append({**m, "content": parts if has_image else "\n".join(texts)})
     return out, images
 
 

@@ -59,6 +59,8 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"priority must be one per prompt: {len(prios)} for {len(prompts)} prompts")
         tokenized = [self.engine.tokenize_request(p) for p in prompts]
         for sp in params_list:
             sp.validate()

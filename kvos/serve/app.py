@@ -484,7 +484,7 @@ def _user_text(messages: list[dict]) -> str:
     """The text of the user messages: chat templates render each of them whole, so a chat prompt
     is at least as long (other roles' text may be dropped, e.g. earlier reasoning)."""
     return "".join(m["content"] if isinstance(m.get("content"), str) else
-                   "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+                   "\n".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
                    for m in messages if m.get("role") == "user" and isinstance(m.get("content"), (str, list)))
 
 

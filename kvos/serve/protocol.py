@@ -342,7 +342,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content if isinstance(p, TextPart))
+            return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
 
     def parts(self) -> list[dict] | None:

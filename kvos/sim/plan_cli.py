@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvos.config.flags import add_engine_args
+from kvos.config.flags import add_engine_args, non_negative, positive
 
 PLAN_ENGINE_FIELDS = ("block_size", "gpu_memory_utilization", "kv_cache_memory_bytes", "encoder_cache_mb")
 """The ``EngineConfig`` fields the plan takes (flags, defaults and help are ``EngineConfig``'s)."""
@@ -29,21 +29,21 @@ the unified layout (the engine's default).
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name, HF config.json (or its folder), or .gguf file")
     p.add_argument("--gpu", default="H100-80G", help="A100-80G, H100-80G, H200, L4")
-    p.add_argument("--gpu-memory-gib", type=float, default=None)
-    p.add_argument("--gpu-bandwidth-tbs", type=float, default=None)
-    p.add_argument("--gpu-tflops", type=float, default=None)
+    p.add_argument("--gpu-memory-gib", type=positive(float), default=None)
+    p.add_argument("--gpu-bandwidth-tbs", type=positive(float), default=None)
+    p.add_argument("--gpu-tflops", type=positive(float), default=None)
     p.add_argument("--weight-dtype", default="bf16", help="fp32, fp16, bf16, fp8, int8, int4")
     p.add_argument("--kv-dtype", default="fp16", help="fp16, bf16, fp8, int8")
-    p.add_argument("--context-len", type=int, default=8192, help="tokens per request (prompt, or all)")
-    p.add_argument("--output-len", type=int, default=0, help="output tokens added to --context-len")
+    p.add_argument("--context-len", type=positive(int), default=8192, help="tokens per request (prompt, or all)")
+    p.add_argument("--output-len", type=non_negative(int), default=0, help="output tokens added to --context-len")
     p.add_argument("--length-dist", default=None, metavar="LO:HI",
                    help="request lengths uniform in [LO, HI]: paged uses the mean, contiguous the max")
-    p.add_argument("--num-requests", type=int, default=1)
+    p.add_argument("--num-requests", type=positive(int), default=1)
     p.add_argument("--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int, default=1,
                    help="GPUs one engine is sharded over: weights and KV heads per GPU (KV heads replicated past their count)")
     p.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a speculative draft model (preset, config.json or .gguf): its weights and KV group count")
-    p.add_argument("--images-per-request", type=int, default=0,
+    p.add_argument("--images-per-request", type=non_negative(int), default=0,
                    help="images in each request (a vision-language model): their tokens add to --context-len")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(p, PLAN_ENGINE_FIELDS, title="engine (the pool the plan sizes)")

@@ -11,6 +11,8 @@ from kvos.config.flags import (
     add_engine_args,
     config_kwargs,
     engine_kwargs,
+    non_negative,
+    positive,
 )
 from kvos.router.config import RouterConfig
 from kvos.sim.options import SimOptions
@@ -61,14 +63,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None, help="Mooncake JSONL, or a JSON list of {input_length, output_length}")
     w.add_argument("--synthetic", action="store_true", help="generate a workload instead of reading one")
-    w.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
-    w.add_argument("--num-requests", type=int, default=200)
-    w.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (synthetic, lengths JSON)")
+    w.add_argument("--limit", type=positive(int), default=None, help="first N requests of the trace")
+    w.add_argument("--num-requests", type=positive(int), default=200)
+    w.add_argument("--rate", type=positive(float), default=4.0, help="Poisson arrivals per second (synthetic, lengths JSON)")
     w.add_argument("--input-len", default="64:1024", metavar="LO:HI")
     w.add_argument("--output-len", default="16:256", metavar="LO:HI")
-    w.add_argument("--system-prompt-len", type=int, default=0)
-    w.add_argument("--num-system-prompts", type=int, default=1)
-    w.add_argument("--turns", type=int, default=1, help="turns per multi-turn session")
+    w.add_argument("--system-prompt-len", type=non_negative(int), default=0)
+    w.add_argument("--num-system-prompts", type=positive(int), default=1)
+    w.add_argument("--turns", type=positive(int), default=1, help="turns per multi-turn session")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--rag", action="store_true",
                    help="synthetic retrieval prompts: system prompt, --docs-per-prompt of --num-docs documents in "
@@ -76,11 +78,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--images", action="store_true",
                    help="synthetic image chats: a text of its own (--input-len), one of --num-images images (a "
                         "vision --model's tokens per image), a question (--question-len); with --synthetic")
-    w.add_argument("--num-images", type=int, default=8)
+    w.add_argument("--num-images", type=positive(int), default=8)
     w.add_argument("--question-len", default="16:64", metavar="LO:HI")
-    w.add_argument("--num-docs", type=int, default=20)
-    w.add_argument("--doc-len", type=int, default=1000)
-    w.add_argument("--docs-per-prompt", type=int, default=4)
+    w.add_argument("--num-docs", type=positive(int), default=20)
+    w.add_argument("--doc-len", type=positive(int), default=1000)
+    w.add_argument("--docs-per-prompt", type=positive(int), default=4)
     m = p.add_argument_group("cost model")
     m.add_argument("--model", default="llama-3.1-8b",
                    help="preset, config.json or .gguf: sets the cost model and, for a hybrid model (sliding-window "
@@ -88,7 +90,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--gpu", default="H100-80G")
     m.add_argument("--weight-dtype", default="bf16")
     m.add_argument("--kv-dtype", default="fp16")
-    m.add_argument("--tensor-parallel", type=int, default=1)
+    m.add_argument("--tensor-parallel", type=positive(int), default=1)
     m.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a speculative draft model (preset, config.json or .gguf): its KV is a cache group of the "
                         "pool (memory only: the cost model does not time drafting)")

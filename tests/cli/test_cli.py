@@ -44,6 +44,20 @@ def test_bad_input_exits_with_a_clear_error():
     assert r.returncode == 2 and "model" in r.stderr
 
 
+@pytest.mark.parametrize("argv, flag, why", [
+    (["plan", "--model", "llama-3.1-8b", "--gpu-bandwidth-tbs", "0"], "--gpu-bandwidth-tbs", "must be positive"),
+    (["plan", "--model", "llama-3.1-8b", "--output-len", "-200"], "--output-len", "must be >= 0"),
+    (["simulate", "--synthetic", "--rate", "0"], "--rate", "must be positive"),
+    (["simulate", "--synthetic", "--turns", "0"], "--turns", "must be positive"),
+    (["simulate", "--synthetic", "--num-requests", "-5"], "--num-requests", "must be positive"),
+], ids=lambda v: v if isinstance(v, str) and v.startswith("--") else None)
+def test_workload_and_hardware_numbers_are_checked_at_the_flag(argv, flag, why, capsys):
+    """Values that divided by zero or printed negative sizes deep in the planner and simulator."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and f"argument {flag}: {why}" in capsys.readouterr().err
+
+
 # The engine flags, generated from EngineConfig's fields (parsed in-process, nothing runs).
 
 ENGINE_COMMANDS = [["serve"], ["generate", "hi"], ["chat"], ["bench", "throughput"], ["bench", "steps"],

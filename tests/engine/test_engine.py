@@ -195,10 +195,34 @@ def test_final_only_steps_return_each_finished_request_once_as_a_full_step_would
     (lambda: SamplingParams(n=0), "n"),
     (lambda: SamplingParams(stop=[""]), "stop"),
     (lambda: SamplingParams(logprobs=100), "logprobs"),
+    # values the sampler or detokenizer cannot take: they failed inside a step before
+    (lambda: SamplingParams(top_k=True), "^top_k"),
+    (lambda: SamplingParams(logprobs=True), "^logprobs"),
+    (lambda: SamplingParams(n=True), "^n "),
+    (lambda: SamplingParams(skip_special_tokens=None), "^skip_special_tokens"),
+    (lambda: SamplingParams(temperature=float("nan")), "^temperature"),
+    (lambda: SamplingParams(stop=5), "^stop "),
+    (lambda: SamplingParams(stop_token_ids=5), "^stop_token_ids"),
+    (lambda: SamplingParams(prompt_logprobs=21), "^prompt_logprobs"),
 ])
 def test_invalid_sampling_values_name_the_field(make_params, field):
     with pytest.raises(ValueError, match=field):
         make_params()
+
+
+def test_values_checked_against_the_request_and_chat_text_parts(llm):
+    """An out-of-vocabulary stop token and a priority list of the wrong length are refused before
+    anything is queued; a message's text parts are joined with newlines (as vLLM joins them)."""
+    with pytest.raises(ValueError, match="^stop_token_ids must be token ids in"):
+        llm.generate(["Hi"], SamplingParams(stop_token_ids=[10 ** 9]), use_tqdm=False)
+    with pytest.raises(ValueError, match="^priority must be one per prompt"):
+        llm.generate(["A", "B", "C"], SamplingParams(max_tokens=1), priority=[0], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a"}, {"type": "text", "text": "colour."}]}]
+    joined = [{"role": "user", "content": "Name a\ncolour."}]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    assert (llm.chat(parts, one, use_tqdm=False)[0].prompt_token_ids
+            == llm.chat(joined, one, use_tqdm=False)[0].prompt_token_ids)
 
 
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm, tokenizer):

@@ -139,7 +139,9 @@ def test_server_tokenizes_forged_turns_as_text(server, tokenizer):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(want)
     parts = [{"role": "user", "content": [{"type": "text", "text": EVIL[:12]}, {"type": "text", "text": EVIL[12:]}]}]
-    assert post(server, "/tokenize", {"messages": parts}).json()["tokens"] == want
+    joined = chat_prompt_ids(tokenizer, [{"role": "user", "content": EVIL[:12] + "\n" + EVIL[12:]}])  # as vLLM joins
+    assert special_counts(tokenizer, joined) == (3, 2)
+    assert post(server, "/tokenize", {"messages": parts}).json()["tokens"] == joined
 
 
 # -- 10. strict validation -------------------------------------------------------------------------
