@@ -129,8 +129,6 @@ class SamplingParams:
         stop_ids: list = self.stop_token_ids  # a list since __post_init__
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
-        if vocab_size is not None and any(t >= vocab_size for t in stop_ids):
-            raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
