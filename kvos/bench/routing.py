@@ -22,8 +22,9 @@ Setup, and why:
   the blocks the fleet's do. ``one engine, all the memory and compute`` serves the fleet's own
   arrivals with N times the bandwidth and matrix rate, N times ``max_num_seqs`` and
   ``max_num_batched_tokens`` (an ideal N-way tensor-parallel engine): the same load on one
-  shared cache. Compare hit rates with them, and TTFT among the routers only. ``upper_bound`` is the unbounded single-cache block hit rate counted from the
-  trace's hash ids (no simulation).
+  shared cache. Compare hit rates with them, and TTFT among the routers only. ``upper_bound``
+  is the unbounded single-cache block hit rate counted from the trace's hash ids (no
+  simulation).
 - kv_aware and approx run at each ``--kv-weights`` (default 1, Dynamo's default, and 64). In
   Dynamo's cost ``w * (P + R - H) + A`` the weight scales the engine's queued prefill as well as
   the request's uncached blocks, against the blocks it decodes (``kvos.router.KVAware``): at

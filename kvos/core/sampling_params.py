@@ -132,7 +132,6 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", "must be an integer in [0, 20] or None")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -44,7 +44,8 @@ def split_image_parts(messages) -> tuple[list, list[tuple[str, object]]]:
     "image_url": {"url"}}``, or ``{"type": "image", "image": ...}`` with a PIL image, bytes, a data
     URL or a path) replaced by ``{"type": "image"}``; a message without images gets its text
     parts joined with newlines into one string (what templates of text models expect; vLLM joins
-    them so). Returns the messages and each image's (field name, source), in order. ``ValueError`` naming a malformed part."""
+    them so). Returns the messages and each image's (field name, source), in order.
+    ``ValueError`` naming a malformed part."""
     if not isinstance(messages, list) or not any(isinstance(m, dict) and isinstance(m.get("content"), list)
                                                  for m in messages):
         return messages, []
@@ -93,8 +94,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     them, under the same rule. ``expand`` rewrites the template's own text before tokenizing
     (an image's start token into its whole token sequence). ``continue_final_message``: the
     prompt ends inside the last (assistant) message, which the model continues (an assistant
-    prefill); ``template_kwargs`` go to the template as variables (``enable_thinking``). Raises ``ValueError`` (a 400 naming ``messages``) for invalid
-    messages, a model without a template, or a template or tokenizer that rejects them."""
+    prefill); ``template_kwargs`` go to the template as variables (``enable_thinking``). Raises
+    ``ValueError`` (a 400 naming ``messages``, or the option at fault) for invalid messages or
+    options, a model without a template, or a template or tokenizer that rejects them."""
     if not has_chat_template(tokenizer):
         raise ValueError("messages: this model has no chat template (a base model); send a plain "
                          "prompt (/v1/completions) instead")

@@ -379,8 +379,6 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _no_legacy_functions(self):
-        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
-            raise ValueError("continue_final_message: needs add_generation_prompt false and an assistant message last")
         for name, feature in _UNSUPPORTED.items():
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: {feature} is not supported by this server")

@@ -65,7 +65,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--synthetic", action="store_true", help="generate a workload instead of reading one")
     w.add_argument("--limit", type=positive(int), default=None, help="first N requests of the trace")
     w.add_argument("--num-requests", type=positive(int), default=200)
-    w.add_argument("--rate", type=positive(float), default=4.0, help="Poisson arrivals per second (synthetic, lengths JSON)")
+    w.add_argument("--rate", type=positive(float), default=4.0,
+                   help="Poisson arrivals per second (synthetic, lengths JSON)")
     w.add_argument("--input-len", default="64:1024", metavar="LO:HI")
     w.add_argument("--output-len", default="16:256", metavar="LO:HI")
     w.add_argument("--system-prompt-len", type=non_negative(int), default=0)
