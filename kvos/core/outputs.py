@@ -17,6 +17,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def failed(self) -> bool:
+        """The engine failed this sequence (``finish_reason == "error"``); ``stop_reason`` says why."""
+        return self.finish_reason == "error"
+
 
 @dataclass
 class RequestOutput:

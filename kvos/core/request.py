@@ -18,13 +18,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step failed while computing it (vLLM's name); never a sampling outcome
 
     finished: bool
     """Whether the request ended (a plain attribute: read for every request on every step)."""
 
 
 for _status in RequestStatus:
-    _status.finished = _status.value in ("stop", "length", "abort")
+    _status.finished = _status.value in ("stop", "length", "abort", "error")
 
 
 @dataclass(eq=False)

@@ -208,7 +208,7 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:
-                log.exception("engine step failed; failing its requests")
+                log.exception("engine failed outside a step (scheduling); failing every request")
                 self._fail_all(e)
                 continue
             # one hand-over per event loop per step, not one per request: each call_soon_threadsafe

@@ -33,6 +33,14 @@ class EngineStopped(RuntimeError):
     code = "draining"
 
 
+class RequestFailed(RuntimeError):
+    """A step that held this request raised inside the engine (its output's ``finish_reason`` is
+    ``"error"``); the engine went on with its other requests. A 500 (or a stream's error event)
+    whose message is the output's ``stop_reason``."""
+
+    code = "engine_error"
+
+
 class EngineUnavailable(EngineStopped):
     """No engine can take or finish the request now: the engine serving a stream died, or every
     engine of a data-parallel server is down (retry later)."""
@@ -204,6 +212,9 @@ class RequestStream:
                     raise item
                 self._got_output()
                 self.last = item
+                failed = next((c for c in item.outputs if c.failed), None)
+                if failed is not None:
+                    raise RequestFailed(str(failed.stop_reason))
                 yield item
         finally:
             await self.aclose()

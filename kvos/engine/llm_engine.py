@@ -100,6 +100,11 @@ class _UserRequest:
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs.values())
 
 
+def _error_reason(error: Exception) -> str:
+    """What a failed request's ``stop_reason`` says (bounded: exception texts can be long)."""
+    return f"engine error: {type(error).__name__}: {error}"[:500]
+
+
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """A text prompt's token ids (special tokens as the tokenizer adds them); ``ValueError``
     naming ``prompt`` if it is empty or cannot be encoded."""
@@ -262,6 +267,10 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._open_steps: list[SchedulerOutput] = []  # scheduled, not yet finished: blamed if a step raises
+        self._produced: list[RequestOutput] = []  # outputs of steps finished inside the current ``step`` call
+        self.failed_steps = 0
+        """Steps that raised; each failed the requests it held (``FINISHED_ERROR``)."""
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -559,8 +568,11 @@ class LLMEngine:
         Returns outputs of requests that changed; with ``final_only``, only of those that
         finished (vLLM's ``FINAL_ONLY``: no output is built for a request still running)."""
         t0, tokens, reused = time.perf_counter(), self.batched_tokens, self.kv.counters.segment_reused_tokens
+        self._produced = []
         try:
             return self._step(final_only)
+        except Exception as e:
+            return self._fail_open_steps(e)
         finally:
             dt = time.perf_counter() - t0
             self.step_seconds += dt
@@ -652,11 +664,13 @@ class LLMEngine:
         if self.pins is not None and self.pins.pins:
             self.pins.expire(time.monotonic())
         out = self.scheduler.schedule()
+        self._open_steps.append(out)
         if self.schedule_hook is not None:
             self.schedule_hook(out)
         if self.offload is not None:
             self.offload.dispatch(out.loads)
             if out.is_empty and not out.finished_ids and self._in_flight is None:
+                self._open_steps.pop()
                 self.offload.install_ready(block=True)  # nothing to run until a load or lookup lands
                 return []
         if not out.is_empty:
@@ -711,27 +725,24 @@ class LLMEngine:
             self.offload.after_step()
         now = time.monotonic()
         touched: dict[str, _UserRequest] = {}
+        failed: dict[str, tuple[_UserRequest, str]] = {}
         for seq in got:
             ureq = self._user_request_of.setdefault(seq.request_id, self._user_requests[seq.parent_id])
-            ureq.seqs.setdefault(seq.sample_index, seq)
-            ureq.first_token_time = ureq.first_token_time or now
-            spec = seq.sampling_params.structured_outputs
-            if (spec is not None and self.matchers.advance(seq.request_id, spec, seq.output_token_ids)
-                    and not seq.is_finished):  # the grammar is complete (nothing more may follow) or broke
-                broke = self.matchers.error(seq.request_id)
-                if broke is not None:  # the output so far is not known to match: never a plain "stop"
-                    log.warning("request %s: its output constraint failed after %d tokens: %s",
-                                seq.request_id, len(seq.output_token_ids), broke)
-                    seq.stop_reason = f"{spec.field_name}: the constraint failed during generation ({broke})"
-                self.scheduler.finish_request(
-                    seq.request_id, RequestStatus.FINISHED_STOPPED if broke is None else RequestStatus.FINISHED_ABORTED)
-            self._record(ureq, seq, sampled[seq.request_id])
+            if ureq.request_id in failed:
+                continue
+            try:
+                self._take_token(ureq, seq, sampled[seq.request_id], now)
+            except Exception as e:  # this request's own host-side work (text, grammar): fail it alone
+                log.exception("request %s failed after its step", ureq.request_id)
+                failed[ureq.request_id] = (ureq, _error_reason(e))
+                touched.pop(ureq.request_id, None)
+                continue
             touched[ureq.request_id] = ureq
         for rid in out.finished_ids:
             ureq = self._user_request_of.get(rid)
             if ureq is not None and ureq.request_id in self._user_requests:
                 touched[ureq.request_id] = ureq
-        outputs = []
+        outputs = [self._fail_request(ureq, reason, now) for ureq, reason in failed.values()]
         for ureq in touched.values():
             finished = ureq.finished()
             if final_only and not finished:
@@ -742,7 +753,70 @@ class LLMEngine:
                 self._forget(ureq)
         if self._pending_pins:
             self._take_pins([o.request_id for o in outputs if o.finished])
+        self._open_steps = [o for o in self._open_steps if o is not out]
+        self._produced += outputs
         return outputs
+
+    def _take_token(self, ureq: _UserRequest, seq: Request, st, now: float) -> None:
+        """A sequence's new token(s), on the host: its grammar, text, stop strings, logprobs."""
+        ureq.seqs.setdefault(seq.sample_index, seq)
+        ureq.first_token_time = ureq.first_token_time or now
+        spec = seq.sampling_params.structured_outputs
+        if (spec is not None and self.matchers.advance(seq.request_id, spec, seq.output_token_ids)
+                and not seq.is_finished):  # the grammar is complete (nothing more may follow) or broke
+            broke = self.matchers.error(seq.request_id)
+            if broke is not None:  # the output so far is not known to match: never a plain "stop"
+                log.warning("request %s: its output constraint failed after %d tokens: %s",
+                            seq.request_id, len(seq.output_token_ids), broke)
+                seq.stop_reason = f"{spec.field_name}: the constraint failed during generation ({broke})"
+            self.scheduler.finish_request(
+                seq.request_id, RequestStatus.FINISHED_STOPPED if broke is None else RequestStatus.FINISHED_ABORTED)
+        self._record(ureq, seq, st)
+
+    # -- failures ------------------------------------------------------------------------
+    def _fail_open_steps(self, error: Exception) -> list[RequestOutput]:
+        """A step raised: every request with a sequence in a step not yet finished (the one that
+        raised and, with async scheduling, the one in flight, whose tokens the next one reads on
+        the device) ends as ``FINISHED_ERROR``; the engine goes on with the others. Safe for the
+        cache: a step's blocks enter the prefix index only once its output is applied
+        (``Scheduler.update_from_output``), so no block a failed step wrote is ever reused.
+        Outputs of steps that finished earlier in this call are returned first. An error
+        outside any step (scheduling itself) leaves the engine's state unknown and is raised."""
+        outs, self._open_steps = self._open_steps, []
+        if not outs:
+            raise error
+        self._in_flight = None
+        self.failed_steps += 1
+        log.error("engine step failed; failing the requests it held", exc_info=error)
+        reason, now = _error_reason(error), time.monotonic()
+        parents = dict.fromkeys(r.parent_id for out in outs for s in out.seqs for r in (s.request, *s.samplers))
+        outputs = list(self._produced)
+        for pid in parents:
+            ureq = self._user_requests.get(pid)
+            if ureq is not None:
+                outputs.append(self._fail_request(ureq, reason, now))
+                continue
+            for rid, seq in list(self.scheduler.requests.items()):  # the engine's own work (segment fills)
+                if seq.parent_id == pid:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+        return outputs
+
+    def _fail_request(self, ureq: _UserRequest, reason: str, now: float) -> RequestOutput:
+        """End every unfinished sequence of a request as ``FINISHED_ERROR`` with ``reason`` as
+        its ``stop_reason`` (blocks freed at once) and return its final output."""
+        for rid, seq in list(self.scheduler.requests.items()):
+            if seq.parent_id == ureq.request_id:
+                ureq.seqs.setdefault(seq.sample_index, seq)
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+        for seq in ureq.seqs.values():
+            if not seq.is_finished or seq.status is RequestStatus.FINISHED_ERROR:
+                seq.status, seq.stop_reason = RequestStatus.FINISHED_ERROR, reason
+        pending = self._pending_pins.pop(ureq.request_id, None)
+        if pending is not None and pending.on_done is not None:
+            pending.on_done(RuntimeError(reason))
+        self._user_requests.pop(ureq.request_id, None)
+        self._forget(ureq)
+        return self._output(ureq, True, now)
 
     def _record(self, ureq: _UserRequest, seq: Request, st) -> None:
         i = seq.sample_index
@@ -797,7 +871,7 @@ class LLMEngine:
         s = {**self.kv.stats(), "num_blocks": self.kv.pages.num_pages, "kv_cache_dtype": self.kv_cache_dtype,
              "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting(),
              "loading": len(self.scheduler.loading), "steps": self.steps, "step_seconds": self.step_seconds,
-             "batched_tokens": self.batched_tokens}
+             "batched_tokens": self.batched_tokens, "failed_steps": self.failed_steps}
         if self.scheduler.segments is not None:
             s["segment_saved_seconds"] = self.segment_saved_seconds
         if self.tiers is not None:

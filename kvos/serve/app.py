@@ -25,7 +25,7 @@ from kvos.engine.chat import (
     message_spans,
     split_image_parts,
 )
-from kvos.engine.client import EngineClient, EngineStopped, RequestStream
+from kvos.engine.client import EngineClient, EngineStopped, RequestFailed, RequestStream
 from kvos.engine.llm_engine import encode_segments
 from kvos.engine.media import expand_image_text
 from kvos.serve.admin import add_admin_routes
@@ -142,6 +142,10 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
     @app.exception_handler(EngineStopped)
     async def _stopped(_: Request, e: EngineStopped):
         return error_response(503, str(e), "service_unavailable", code=e.code)
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(_: Request, e: RequestFailed):
+        return error_response(500, str(e), "internal_error", code=e.code)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected):
@@ -586,7 +590,11 @@ async def _collect(state: ServerState, request: Request, streams: list[RequestSt
         while True:
             done, _ = await asyncio.wait({work}, timeout=0.5)
             if done:
-                return work.result()
+                try:
+                    return work.result()
+                except RequestFailed:  # counted as "error" in the metrics, then a 500
+                    observe_finished(state, streams)
+                    raise
             if await request.is_disconnected():
                 break
     finally:

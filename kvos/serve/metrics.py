@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 PROMPT_BUCKETS = (128, 512, 2048, 8192)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -75,6 +75,8 @@ class _EngineCollector(Collector):
             ("kvos:engine_steps", "steps", "Engine steps run (summed over engines)."),
             ("kvos:engine_step_seconds", "step_seconds", "Wall time inside engine steps (summed over engines)."),
             ("kvos:engine_batched_tokens", "batched_tokens", "Tokens the engine steps computed."),
+            ("kvos:engine_failed_steps", "failed_steps",
+             "Engine steps that raised; each failed the requests it held (finish reason \"error\")."),
         ]:
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         yield CounterMetricFamily("kvos:tier_hit_tokens", "Prompt tokens loaded from tiers below the device.",

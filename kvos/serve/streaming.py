@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from kvos.engine.client import EngineStopped, RequestStream
+from kvos.engine.client import EngineStopped, RequestFailed, RequestStream
 from kvos.serve.responses import finish_reason, prompt_text, sse, usage
 from kvos.serve.state import ServerState
 from kvos.structured.tool_calls import ToolCallStream
@@ -30,7 +30,7 @@ def observe_finished(state: ServerState, streams: list[RequestStream]) -> None:
             continue
         c = out.outputs[0]
         state.metrics.observe(len(out.prompt_token_ids), s.arrival, s.first_output_time, now,
-                              len(c.token_ids), finish_reason(c) or "abort")
+                              len(c.token_ids), "error" if c.failed else finish_reason(c) or "abort")
 
 
 def sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
@@ -78,6 +78,8 @@ def error_event(e: Exception) -> dict:
     server shut down, else an internal error."""
     if isinstance(e, EngineStopped):
         return {"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": e.code}}
+    if isinstance(e, RequestFailed):  # the engine logged it where it failed
+        return {"error": {"message": str(e), "type": "internal_error", "param": None, "code": e.code}}
     log.exception("stream failed")
     return {"error": {"message": f"internal error: {e}", "type": "internal_error", "param": None, "code": None}}
 
