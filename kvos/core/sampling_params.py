@@ -24,8 +24,15 @@ class SamplingParams:
     (an engine speculates only for requests without penalties, logit bias, ``min_tokens`` or
     logprobs, structured outputs). ``structured_outputs`` constrains the output to a JSON
     schema, a regex, a choice or a grammar (``StructuredOutputsParams``): a token that would
-    break it is never sampled, and the sequence ends when the grammar does. While fewer than ``min_tokens`` tokens are generated, EOS (unless
-    ``ignore_eos``) and ``stop_token_ids`` cannot be sampled. Invalid values raise
+    break it is never sampled, and the sequence ends when the grammar does. While fewer than
+    ``min_tokens`` tokens are generated, EOS (unless ``ignore_eos``) and ``stop_token_ids``
+    cannot be sampled, and a stop string ends the sequence only where it ends in the text of a
+    token after the first ``min_tokens`` (vLLM's rule). ``allowed_token_ids`` (vLLM's) lets only
+    those tokens be sampled. ``bad_words`` (vLLM's) are never generated: each word is tokenized
+    alone and after a space (``update_from_tokenizer``, which the engine calls), and a word's
+    last token cannot be sampled where the generated tokens end with the tokens before it (a
+    one-token word never can). ``truncate_prompt_tokens=k`` keeps only the prompt's last ``k``
+    tokens (the engine cuts it when it tokenizes the request). Invalid values raise
     ``ValueError`` naming the field.
     """
 
@@ -50,7 +57,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     speculative: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
+    _bad_words_token_ids: list[list[int]] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
@@ -59,6 +70,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self._stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("allowed_token_ids", "bad_words"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
         self.validate()
 
     @property
@@ -75,18 +89,44 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The token sequences ``bad_words`` forbid (set by ``update_from_tokenizer``)."""
+        return self._bad_words_token_ids or []
+
+    @property
     def can_speculate(self) -> bool:
         """True when drafts may be verified for this request: it allows it and its tokens'
-        distribution depends on nothing the verify step does not see (no penalties, bias or
-        ``min_tokens`` ban, which read the tokens before each position; no logprobs)."""
+        distribution depends on nothing the verify step does not see (no penalties, bias,
+        ``min_tokens`` ban or bad words, which read the tokens before each position; no
+        ``allowed_token_ids`` mask, which the verify step does not apply; no logprobs)."""
         return (self.speculative and not self.adjusts_logits and self.logprobs is None
                 and self.structured_outputs is None)
 
     @property
     def adjusts_logits(self) -> bool:
         """True when the sampler must change this request's logits before sampling (penalties,
-        logit bias, or ``min_tokens``' ban on stop tokens)."""
-        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
+        logit bias, ``min_tokens``' ban on stop tokens, ``allowed_token_ids``, ``bad_words``)."""
+        return (self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
+                or self.allowed_token_ids is not None or bool(self.bad_words))
+
+    def update_from_tokenizer(self, tokenizer, vocab_size: int | None = None) -> None:
+        """Tokenize ``bad_words`` (vLLM's rule): each word without its leading whitespace, and
+        after one space where that gives as many tokens, starting with another one (a word
+        inside the text); ``ValueError`` naming ``bad_words`` for an id outside the vocabulary."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise ValueError(f"bad_words: {word!r} encodes to no tokens")
+            seqs.append(bare)
+            if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
+                seqs.append(spaced)
+        if vocab_size is not None and any(not 0 <= t < vocab_size for ids in seqs for t in ids):
+            raise ValueError(f"bad_words: a word encodes to a token id outside the vocabulary [0, {vocab_size})")
+        self._bad_words_token_ids = seqs
 
     def validate(self, vocab_size: int | None = None) -> None:
         """ValueError naming the first bad field. Integers are never booleans and numbers are
@@ -97,7 +137,8 @@ class SamplingParams:
         for name in ("speculative", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
             if isinstance(getattr(self, name), bool):
                 raise bad(name, "must be an integer, not a boolean")
         for name in ("temperature", "top_p", "min_p"):
@@ -151,3 +192,16 @@ class SamplingParams:
                     raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
                 if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
                     raise bad("logit_bias", "must have biases in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (not isinstance(ids, list) or not ids
+                    or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids)):
+                raise bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
+            if vocab_size is not None and max(ids) >= vocab_size:
+                raise ValueError(f"allowed_token_ids token id {max(ids)} is outside the vocabulary [0, {vocab_size})")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of strings that are not empty or only whitespace")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1 or None")

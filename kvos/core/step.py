@@ -29,7 +29,12 @@ class SampleTarget:
     prompt_ids: list[int] | None = None
     """The prompt (repetition penalty only), else None."""
     ban_ids: list[int] | None = None
-    """Tokens that may not be sampled yet (stop and EOS ids before ``min_tokens``)."""
+    """Tokens that may not be sampled (stop and EOS ids before ``min_tokens``; bad words' last
+    tokens whose preceding tokens end the output)."""
+    ban_after: list[tuple[int, int]] | None = None
+    """(token, previous): ``token`` may not be sampled if the token the step before sampled (still
+    on the device: ``prev_pending`` is 1) is ``previous`` (a bad word whose other tokens end the
+    delivered output)."""
 
 
 @dataclass(slots=True)

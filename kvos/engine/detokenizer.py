@@ -13,7 +13,10 @@ class IncrementalDetokenizer:
     monotone: a suffix that could start a stop string was a candidate, hence held, in every
     earlier text too.) ``update`` returns the stop string matched, if any, and then truncates
     ``text`` before it (or after it with ``include_stop_str_in_output``); ``flush`` releases
-    what is held at the end of a sequence not stopped by a string.
+    what is held at the end of a sequence not stopped by a string. With ``min_tokens``, a stop
+    string must end in text that tokens after the first ``min_tokens`` added (vLLM's rule: the
+    text of the first ``min_tokens`` tokens is never searched for an end), though it may start
+    earlier; text that could start one is held back all the same.
     Without a tokenizer (random-weight models) the text stays empty and no stop string matches.
 
     Cost per token: two decodes of a few tokens, not of the whole output. The text so far
@@ -37,6 +40,8 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = 0
         self._stop_max = max((len(s) for s in params.stop_strings), default=0)
+        self._protected = 0
+        """Characters of ``_full`` that the first ``min_tokens`` tokens added: no stop string ends there."""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
@@ -61,10 +66,12 @@ class IncrementalDetokenizer:
         self.text = full
         if not self._stop_max:
             return None
+        if len(token_ids) <= self.params.min_tokens:
+            self._protected = len(full)
         search_from = max(0, prev_len - self._stop_max + 1)
         best: tuple[int, str] | None = None
         for s in self.params.stop_strings:
-            i = full.find(s, search_from)
+            i = full.find(s, max(search_from, self._protected - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

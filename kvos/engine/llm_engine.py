@@ -147,6 +147,14 @@ def encode_segments(tokenizer, segments, vocab_size: int) -> tuple[str | None, l
     return text, ids, tuple(spans)
 
 
+def truncate_prompt(ids: list[int], spans: tuple[tuple[int, int], ...], k: int
+                    ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """``truncate_prompt_tokens``: the last ``k`` of a prompt's ids (vLLM's left truncation), and
+    the segment spans wholly inside them, moved with them (a cut segment is no segment)."""
+    cut = max(0, len(ids) - k)
+    return ids[cut:], tuple((a - cut, b - cut) for a, b in spans if a >= cut)
+
+
 class LLMEngine:
     """Owns the tokenizer, the KV memory system, the scheduler and the model runner.
 
@@ -444,6 +452,11 @@ class LLMEngine:
         params.validate(self.model_config.vocab_size)
         if self.tokenizer is None and params.stop_strings:
             raise ValueError("stop: stop strings need a tokenizer, and this engine has none; use stop_token_ids")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: bad words need a tokenizer, and this engine has none; "
+                                 "use allowed_token_ids or logit_bias")
+            params.update_from_tokenizer(self.tokenizer, self.model_config.vocab_size)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -457,6 +470,12 @@ class LLMEngine:
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:  # decoded and prepared once
             prompt = {**prompt, "multi_modal_data": {"image": self.prompt_images(prompt["multi_modal_data"])}}
         text, ids, segments = self.tokenize_request(prompt)
+        k = params.truncate_prompt_tokens
+        if k is not None and len(ids) > k:
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+                raise ValueError("truncate_prompt_tokens: a prompt with images cannot be cut")
+            ids, segments = truncate_prompt(ids, segments, k)
+            text = self.tokenizer.decode(ids) if text is not None and self.tokenizer is not None else None
         media = self.prompt_media(prompt, ids, cache_salt)
         if media and segments:
             raise ValueError("segment_spans: segment reuse with images is not supported")

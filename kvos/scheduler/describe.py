@@ -11,6 +11,26 @@ from kvos.core.step import SampleTarget, StepDescription, StepSeq
 from kvos.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
 
+def bad_word_bans(words: list[list[int]], output: list[int], pending: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """The next token's bans from bad words' token sequences, given the delivered ``output`` and
+    ``pending`` (0 or 1) more generated tokens still on the device: a word's last token is banned
+    where the generated tokens end with its other tokens. Returns (tokens banned outright,
+    (token, previous) pairs banned if the pending token is ``previous``)."""
+    ban: list[int] = []
+    ban_after: list[tuple[int, int]] = []
+    n = len(output)
+    for ids in words:
+        k = len(ids) - 1  # the prefix's length
+        if k == 0:
+            ban.append(ids[0])
+        elif pending == 0:
+            if n >= k and output[n - k:] == ids[:-1]:
+                ban.append(ids[-1])
+        elif n >= k - 1 and output[n - k + 1:] == ids[:-2]:  # the pending token must be the prefix's last
+            ban_after.append((ids[-1], ids[-2]))
+    return ban, ban_after
+
+
 def _target(req) -> SampleTarget:
     sp = req.sampling_params
     prev = req.num_pending - 1  # this step's sample is already counted as pending
@@ -19,11 +39,16 @@ def _target(req) -> SampleTarget:
         t.output_ids = req.output_token_ids
         if sp.repetition_penalty != 1.0:
             t.prompt_ids = req.prompt_token_ids
+    ban: list[int] = []
     if len(req.output_token_ids) + prev + 1 < sp.min_tokens:
-        ban = list(sp.stop_token_ids or ())
+        ban.extend(sp.stop_token_ids or ())
         if not sp.ignore_eos:
             ban.extend(req.eos_token_ids)
-        t.ban_ids = ban or None
+    if sp.bad_words:
+        words, after = bad_word_bans(sp.bad_words_token_ids, req.output_token_ids, prev)
+        ban.extend(words)
+        t.ban_after = after or None
+    t.ban_ids = ban or None
     return t
 
 

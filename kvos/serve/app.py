@@ -26,7 +26,7 @@ from kvos.engine.chat import (
     split_image_parts,
 )
 from kvos.engine.client import EngineClient, EngineStopped, RequestFailed, RequestStream
-from kvos.engine.llm_engine import encode_segments
+from kvos.engine.llm_engine import encode_segments, truncate_prompt
 from kvos.engine.media import expand_image_text
 from kvos.serve.admin import add_admin_routes
 from kvos.serve.chat_tools import ChatTools
@@ -262,7 +262,7 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         if body.echo:
             state.require_tokenizer("echo")
         with state.tokenizing(num_seqs):
-            prompts = await _pretokenize(state, body.prompts())
+            prompts = await _pretokenize(state, body.prompts(), body.truncate_prompt_tokens)
         for p in prompts:
             _check_length(state, p, body.max_tokens, "max_tokens")
         params = body.sampling_params(body.max_tokens, body.logprobs, state.default_sampling)
@@ -287,7 +287,8 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         messages = _messages(body.messages)
         tools = ChatTools.of(body, state.tokenizer, state.tool_call_parser)
         messages, template_tools = tools.prompt(messages)
-        state.check_fits(_user_text(messages), "messages")
+        if body.truncate_prompt_tokens is None:  # else a long chat may still fit once cut
+            state.check_fits(_user_text(messages), "messages")
         messages, images = split_image_parts(messages)
         media = state.require_media(images)
         template = {"add_generation_prompt": body.add_generation_prompt,
@@ -303,6 +304,12 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
             else:
                 ids, spans = await state.tokenizers.run(lambda tok: _chat_ids_and_spans(
                     tok, messages, template_tools, state.segment_reuse, template))
+        k = body.truncate_prompt_tokens
+        if k is not None and len(ids) > k:
+            if images:
+                raise APIError(400, "truncate_prompt_tokens: a prompt with images cannot be cut",
+                               param="truncate_prompt_tokens")
+            ids, spans = truncate_prompt(ids, spans, k)
         _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens", "messages")
         top_n = body.top_logprobs or 0
@@ -492,14 +499,14 @@ def _user_text(messages: list[dict]) -> str:
                    for m in messages if m.get("role") == "user" and isinstance(m.get("content"), (str, list)))
 
 
-async def _segmented(state: ServerState, prompt: dict) -> dict:
+async def _segmented(state: ServerState, prompt: dict, check_fits: bool = True) -> dict:
     """A prompt given as segment parts, tokenized on a worker thread (``encode_segments``): its
     ids and each part's span; 400 naming ``prompt`` for a bad part."""
     segments = prompt["segments"]
     if any(isinstance(s, str) for s in segments):
         state.require_tokenizer("prompt")
         for s in segments:
-            if isinstance(s, str):
+            if isinstance(s, str) and check_fits:
                 state.check_fits(s, "prompt")
     try:
         if state.tokenizers is None:
@@ -511,17 +518,28 @@ async def _segmented(state: ServerState, prompt: dict) -> dict:
     return {"prompt": text, "prompt_token_ids": ids, "segment_spans": spans}
 
 
-async def _pretokenize(state: ServerState, prompts: list) -> list:
+def _truncated(prompt, k: int | None):
+    """``truncate_prompt_tokens``: a tokenized prompt (dict) cut to its last ``k`` ids, without
+    its text once cut (echo decodes the ids the model saw); anything else as it is."""
+    if k is None or not isinstance(prompt, dict) or len(prompt.get("prompt_token_ids") or ()) <= k:
+        return prompt
+    ids, spans = truncate_prompt(prompt["prompt_token_ids"], tuple(prompt.get("segment_spans") or ()), k)
+    return {**prompt, "prompt": None, "prompt_token_ids": ids, "segment_spans": spans}
+
+
+async def _pretokenize(state: ServerState, prompts: list, truncate: int | None = None) -> list:
     """Tokenize text prompts on a worker thread, as the engine would, so the engine thread never
     does; a prompt whose size alone proves it cannot fit the context is refused first (400 naming
     ``prompt``, nothing tokenized), as is one that tokenizes past it. A prompt that fails to
     tokenize, or becomes no tokens, is passed on as text: the engine's error names what is wrong
-    with it."""
-    prompts = [await _segmented(state, p) if isinstance(p, dict) and "segments" in p else p for p in prompts]
+    with it. ``truncate`` (``truncate_prompt_tokens``) cuts every prompt to its last ids first,
+    so no prompt is too long for its size alone."""
+    prompts = [await _segmented(state, p, truncate is None) if isinstance(p, dict) and "segments" in p else p
+               for p in prompts]
     texts = [p for p in prompts if isinstance(p, str) and p]
     if texts:
         state.require_tokenizer("prompt")
-    for p in texts:
+    for p in texts if truncate is None else ():
         state.check_fits(p, "prompt")
 
     def encode(tok) -> list[list[int]]:
@@ -538,12 +556,13 @@ async def _pretokenize(state: ServerState, prompts: list) -> list:
     for p in prompts:
         if isinstance(p, str) and p:
             ids = next(encoded)
+            if ids:
+                p = _truncated({"prompt": p, "prompt_token_ids": ids}, truncate)
+                ids = p["prompt_token_ids"]
             if len(ids) >= state.max_model_len:
                 raise APIError(400, f"prompt is {len(ids)} tokens; max_model_len is {state.max_model_len}, which "
                                     f"leaves no room for output", param="prompt", code="context_length_exceeded")
-            if ids:
-                p = {"prompt": p, "prompt_token_ids": ids}
-        out.append(p)
+        out.append(_truncated(p, truncate))
     return out
 
 

@@ -92,9 +92,9 @@ _UNSUPPORTED = {"functions": "the legacy function calling (use tools)",
 
 
 class _Common(BaseModel):
-    """Fields shared by both endpoints; ``top_k``, ``min_p``, ``ignore_eos``, ``cache_salt`` and
-    ``priority`` are kvos (and vLLM) extensions, ``speculative`` (false: this request never
-    verifies drafts) is kvos's."""
+    """Fields shared by both endpoints; ``top_k``, ``min_p``, ``ignore_eos``, ``cache_salt``,
+    ``priority``, ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` are kvos (and
+    vLLM) extensions, ``speculative`` (false: this request never verifies drafts) is kvos's."""
 
     model_config = STRICT
 
@@ -116,6 +116,9 @@ class _Common(BaseModel):
     logit_bias: dict[TokenIdKey, float] | None = None  # JSON sends the token ids as strings
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict | str | None = None
@@ -202,7 +205,9 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
-            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, speculative=self.speculative,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids, speculative=self.speculative,
             structured_outputs=self.structured(), include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
 

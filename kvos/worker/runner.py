@@ -528,16 +528,19 @@ class ModelRunner:
     def _history(sr: SampleRow, t: SampleTarget, last_rows: dict[str, int]) -> None:
         """What the sampler needs to adjust ``t``'s logits: its generated tokens (the one the
         previous step sampled, not yet delivered with async scheduling, read on the device), its
-        prompt (repetition penalty), and its banned stop tokens before ``min_tokens``."""
+        prompt (repetition penalty), its banned tokens (stop tokens before ``min_tokens``, bad
+        words) and its bans that depend on the pending token (bad words)."""
         prev = t.prev_pending
         if prev > 1 or (prev == 1 and t.request_id not in last_rows):
             raise RuntimeError(f"request {t.request_id}: {prev} generated tokens are pending "
                                f"but the previous step sampled at most one")
+        if t.output_ids is not None or t.ban_after:
+            sr.pending_src = last_rows[t.request_id] if prev == 1 else -1
         if t.output_ids is not None:
             sr.output_ids = t.output_ids
-            sr.pending_src = last_rows[t.request_id] if prev == 1 else -1
             sr.prompt_ids = t.prompt_ids
         sr.ban_ids = t.ban_ids
+        sr.ban_after = t.ban_after
 
     def _prepare(self, step: StepDescription):
         seqs = sorted(step.seqs, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)

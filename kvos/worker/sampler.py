@@ -1,5 +1,6 @@
 """Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded generators;
-structured outputs' masks, penalties, logit bias and the min_tokens ban adjust the logits first."""
+structured outputs' masks, allowed token ids, penalties, logit bias and bans (min_tokens' stop
+tokens, bad words) adjust the logits first."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,9 +49,10 @@ class SampleRow:
 
     Set only for requests whose params adjust the logits (``SamplingParams.adjusts_logits``):
     ``output_ids``, the generated tokens known to the host, and ``pending_src``, the row of the
-    previous launch's device tokens holding one more generated token (-1: none), for penalties;
-    ``prompt_ids`` for the repetition penalty; ``ban_ids``, tokens that cannot be sampled
-    (EOS and stop tokens before ``min_tokens``).
+    previous launch's device tokens holding one more generated token (-1: none), for penalties
+    and ``ban_after``; ``prompt_ids`` for the repetition penalty; ``ban_ids``, tokens that cannot
+    be sampled (EOS and stop tokens before ``min_tokens``, bad words); ``ban_after``, (token,
+    previous) pairs: ``token`` cannot be sampled if the pending token is ``previous``.
     """
 
     row: int
@@ -61,6 +63,7 @@ class SampleRow:
     pending_src: int = -1
     ban_ids: list[int] | None = None
     seed_stream: SeedStream | None = None
+    ban_after: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -153,7 +156,7 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidd
 
 def _adjusts(r: SampleRow) -> bool:
     sp = r.params
-    return bool(r.ban_ids or sp.logit_bias or sp.needs_history)
+    return bool(r.ban_ids or r.ban_after or sp.logit_bias or sp.needs_history or sp.allowed_token_ids)
 
 
 AllowedMasks = tuple[list[int], np.ndarray]
@@ -181,20 +184,31 @@ def apply_allowed_masks(logits: torch.Tensor, allowed: AllowedMasks) -> torch.Te
 
 def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
                   prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """A new float32 tensor: ``logits`` (one row per entry of ``rows``) with each row's logit
-    bias added, its banned tokens at -inf, then its repetition, frequency and presence
-    penalties applied (vLLM's order). Batched:
-    one host-to-device copy of the index lists, one scatter per kind, a few elementwise ops over the
-    rows that ask for them."""
+    """A new float32 tensor: ``logits`` (one row per entry of ``rows``) with every token outside
+    a row's ``allowed_token_ids`` at -inf, its logit bias added, its banned tokens at -inf (and
+    those of ``ban_after`` whose previous token is the pending one), then its repetition,
+    frequency and presence penalties applied (vLLM's order). Batched: one host-to-device copy of
+    the index lists, one scatter per kind, a few elementwise ops over the rows that ask for them."""
     dev = logits.device
     sel = [i for i, r in enumerate(rows) if _adjusts(r)]
     x = logits[to_device(sel, torch.long, dev)] if len(sel) < len(rows) else logits.clone()
     R, V = x.shape
     pen_rows, bias_rows, bias_ids, bias_vals, ban_rows, ban_ids = [], [], [], [], [], []
+    allow_sel, allow_rows, allow_ids, after_rows, after_ids, after_prev, after_src = [], [], [], [], [], [], []
     out_rows, out_ids, prm_rows, prm_ids, pend_rows, pend_src = [], [], [], [], [], []
     freq, pres, rep = [], [], []
     for j, i in enumerate(sel):
         r, sp = rows[i], rows[i].params
+        if sp.allowed_token_ids:
+            allow_rows.extend([len(allow_sel)] * len(sp.allowed_token_ids))
+            allow_sel.append(j)
+            allow_ids.extend(sp.allowed_token_ids)
+        if r.ban_after:
+            assert r.pending_src >= 0, "a ban on the pending token needs its row"
+            after_rows.extend([j] * len(r.ban_after))
+            after_ids.extend(t for t, _ in r.ban_after)
+            after_prev.extend(p for _, p in r.ban_after)
+            after_src.extend([r.pending_src] * len(r.ban_after))
         if sp.logit_bias:
             bias_rows.extend([j] * len(sp.logit_bias))
             bias_ids.extend(sp.logit_bias)
@@ -219,18 +233,29 @@ def adjust_logits(logits: torch.Tensor, rows: list[SampleRow],
                 prm_rows.extend([k] * len(r.prompt_ids))
                 prm_ids.extend(r.prompt_ids)
     lists = [bias_rows, bias_ids, ban_rows, ban_ids, pen_rows, out_rows, out_ids, prm_rows, prm_ids,
-             pend_rows, pend_src]
+             pend_rows, pend_src, allow_sel, allow_rows, allow_ids, after_rows, after_ids, after_prev, after_src]
     packed = to_device(np.concatenate([np.asarray(v, np.int64) for v in lists]), torch.long, dev)
     parts, o = [], 0
     for v in lists:
         parts.append(packed[o: o + len(v)])
         o += len(v)
     (t_bias_rows, t_bias_ids, t_ban_rows, t_ban_ids, t_pen_rows, t_out_rows, t_out_ids, t_prm_rows,
-     t_prm_ids, t_pend_rows, t_pend_src) = parts
+     t_prm_ids, t_pend_rows, t_pend_src, t_allow_sel, t_allow_rows, t_allow_ids, t_after_rows, t_after_ids,
+     t_after_prev, t_after_src) = parts
+    if allow_sel:
+        keep = torch.zeros(len(allow_sel), V, dtype=torch.bool, device=dev)
+        keep.index_put_((t_allow_rows, t_allow_ids), torch.ones((), dtype=torch.bool, device=dev))
+        x.index_copy_(0, t_allow_sel, x.index_select(0, t_allow_sel).masked_fill(~keep, float("-inf")))
     if bias_rows:
         x.index_put_((t_bias_rows, t_bias_ids), to_device(bias_vals, torch.float32, dev), accumulate=True)
     if ban_rows:
         x.index_put_((t_ban_rows, t_ban_ids), torch.full((len(ban_rows),), float("-inf"), device=dev))
+    if after_rows:
+        assert prev_tokens is not None, "a ban on the pending token needs the previous launch's tokens"
+        hit = prev_tokens.index_select(0, t_after_src) == t_after_prev
+        # added, not assigned: two pairs may ban one token, and only a hit adds -inf (0 otherwise)
+        ninf = torch.zeros(len(after_rows), device=dev).masked_fill_(hit, float("-inf"))
+        x.index_put_((t_after_rows, t_after_ids), ninf, accumulate=True)
     if pen_rows:
         P = len(pen_rows)
         counts = torch.zeros(P, V, dtype=torch.float32, device=dev)
