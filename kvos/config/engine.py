@@ -133,7 +133,11 @@ class EngineConfig:
     tier_lookahead: int = field(default=1024, metadata={
         "group": TIERS,
         "help": "waiting requests whose prefix blocks the CPU tier evicts last, farthest in the queue first "
-                "(0: plain LRU)"})
+                "(0: the tier's eviction policy alone)"})
+    tier_eviction_policy: str = field(default="lru", metadata={
+        "group": TIERS, "choices": online_policies, "aliases": ("--tier-policy",),
+        "help": "the CPU tier's eviction policy, among the blocks no waiting request will hit (the device's "
+                "policy classes; kvos simulate's tier takes the same flag)"})
     write_policy: str = field(default="write_through", metadata={
         "group": TIERS, "choices": WRITE_POLICIES,
         "help": "write_through: a block goes to every tier once computed; write_back: to a tier only when the "
@@ -214,6 +218,9 @@ class EngineConfig:
         for name, allowed in (("eviction_policy", tuple(EVICTION_POLICIES)), ("tier_verify", TIER_VERIFY)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.tier_eviction_policy not in online_policies():
+            raise ValueError(f"tier_eviction_policy must be one of {list(online_policies())}, "
+                             f"got {self.tier_eviction_policy!r}")
         if not isinstance(self.tier_lookahead, int) or self.tier_lookahead < 0:
             raise ValueError(f"tier_lookahead must be a non-negative integer, got {self.tier_lookahead!r}")
         if not 0 <= self.max_pinned_fraction <= 1:

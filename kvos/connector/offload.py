@@ -30,10 +30,11 @@ GIB = 1 << 30
 def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_gb: float,
                     remote_cache: str | None, write_policy: str, pinned: bool = False,
                     encryption_key_file: str | None = None, transfer_gb: float = 0.0,
-                    device_verify: bool = False) -> TierHierarchy | None:
+                    device_verify: bool = False, eviction_policy: str = "lru") -> TierHierarchy | None:
     """The configured tiers; ``pinned``: the CPU tier's slots are page-locked memory (the engine
     runs on a GPU); ``device_verify``: the CPU tier keeps digest frames, checked on the device
-    after a load's copy (``TierIO``); ``encryption_key_file``
+    after a load's copy (``TierIO``); ``eviction_policy`` (``EngineConfig.tier_eviction_policy``):
+    the CPU tier's; ``encryption_key_file``
     (``EngineConfig.tier_encryption_key_file``): the disk and Redis tiers seal their blocks with
     AES-256-GCM under that key (the CPU tier, process memory, keeps keyed-checksum frames)."""
     tiers: list = []
@@ -48,7 +49,8 @@ def build_hierarchy(cpu_cache_gb: float, disk_cache_dir: str | None, disk_cache_
             allocate = PageLockedAllocator()
         else:
             allocate = allocate_bytearray
-        tiers.append(CPUTier(int(cpu_cache_gb * GIB), allocate, digest_fn=host_digest if device_verify else None))
+        tiers.append(CPUTier(int(cpu_cache_gb * GIB), allocate, digest_fn=host_digest if device_verify else None,
+                             eviction_policy=eviction_policy))
     codec = sealed_codec_from_file(encryption_key_file if disk_cache_dir or remote_cache else None)
     if disk_cache_dir:
         tiers.append(DiskTier(disk_cache_dir, int(disk_cache_gb * GIB), codec))

@@ -293,6 +293,7 @@ class LLMEngine:
                                     pinned=self.runner.device.type == "cuda",
                                     encryption_key_file=config.tier_encryption_key_file,
                                     transfer_gb=config.kv_transfer_gb,
+                                    eviction_policy=config.tier_eviction_policy,
                                     device_verify=config.tier_verify == "device" or (
                                         config.tier_verify == "auto" and self.runner.device.type == "cuda"
                                         and config.tensor_parallel_size == 1))

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvos.cache.eviction import EVICTION_POLICIES, online_policies
+from kvos.cache.eviction import EVICTION_POLICIES
 from kvos.config.flags import (
     add_config_args,
     add_engine_args,
@@ -24,7 +24,7 @@ SIM_ENGINE_FIELDS = ("block_size", "kv_layout", "enable_prefix_caching", "max_nu
                      "encoder_cache_mb")
 """The ``EngineConfig`` fields that shape a simulated engine (flags, defaults and checks are
 ``EngineConfig``'s; the pool's size comes from --cache-blocks/--cache-tokens/--cache-gb)."""
-SIM_TIER_FIELDS = ("write_policy", "tier_lookahead")
+SIM_TIER_FIELDS = ("tier_eviction_policy", "write_policy", "tier_lookahead")
 """The ``EngineConfig`` fields of the simulated CPU tier."""
 
 EXAMPLES = """examples:
@@ -108,7 +108,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("a CPU tier below the device")
     t.add_argument("--tier-blocks", type=int, default=0, help="CPU-tier slots in device blocks (0: no tier)")
     t.add_argument("--tier-gb", type=float, default=None, help="CPU-tier size in GiB of KV for --model")
-    t.add_argument("--tier-policy", default="lru", choices=online_policies(), help="the tier's own eviction policy")
     t.add_argument("--tier-bandwidth-gbs", type=float, default=SimTierConfig.load_bandwidth / 1e9,
                    help="tier-to-device load rate in GB/s (kvos's measured CPU-tier loads on an H100 host)")
     add_engine_args(p, SIM_TIER_FIELDS, spell={"write_policy": "--tier-write-policy"})
@@ -222,7 +221,7 @@ def build(a: argparse.Namespace):
     if a.tier_gb is not None:
         tier_blocks = int(a.tier_gb * (1 << 30) // (cost.kv_bytes_per_token * bs))
     if tier_blocks:
-        tier = SimTierConfig(tier_blocks, a.tier_policy, engine.write_policy, a.tier_bandwidth_gbs * 1e9,
+        tier = SimTierConfig(tier_blocks, engine.tier_eviction_policy, engine.write_policy, a.tier_bandwidth_gbs * 1e9,
                              engine.tier_lookahead)
     cfg = SimConfig(dataclasses.replace(engine, num_blocks=blocks), options, layout, tier)
     return cfg, cost

@@ -6,6 +6,9 @@ The failures are real: a ``SamplingParams`` changed after the engine accepted it
 validation) breaks the detokenizer (``skip_special_tokens=None``) or the sampler (``top_k="x"``)."""
 from __future__ import annotations
 
+import pytest
+import torch
+
 from kvos import SamplingParams
 from tests.support.hf_reference import hf_greedy
 
@@ -81,3 +84,38 @@ def test_a_failing_step_leaves_waiting_requests_to_run(make_llm, hf_model, token
     for i in range(2):
         assert outs[f"waiting-{i}"].outputs[0].token_ids == ref
     assert engine.kv.stats()["used"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_failing_step_on_the_gpu_with_a_step_in_flight():
+    """On CUDA (async scheduling and graphs, the defaults) a step fails while the one before it
+    is in flight: the requests of both end as errors, nothing leaks, and the engine then gives the
+    same tokens it gave before the failure."""
+    from kvos import LLM
+
+    llm = LLM(model="llama-tiny", random_weights=True, device="cuda", dtype="float32", num_blocks=120,
+              max_num_seqs=16)
+    engine = llm.engine
+    assert engine.async_scheduling
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()} for n in (7, 40, 130)]
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+
+    for i, p in enumerate(prompts):
+        engine.add_request(p, greedy(12), request_id=f"run-{i}")
+    for _ in range(3):  # prefill, then decodes: one step in flight behind each call
+        engine.step()
+    bad = SamplingParams(temperature=0.8, seed=1, max_tokens=4)
+    engine.add_request(prompts[0], bad, request_id="gpu-bad")
+    bad.top_k = "x"
+    outs = run_all(engine)
+    assert outs["gpu-bad"].outputs[0].finish_reason == "error"
+    assert engine.stats()["failed_steps"] == 1
+    for i in range(3):
+        c = outs[f"run-{i}"].outputs[0]
+        assert c.finish_reason == "error" or c.token_ids == ref[i]
+        assert c.token_ids == ref[i][:len(c.token_ids)]
+    assert engine.kv.stats()["used"] == 0
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+    assert again == ref

@@ -1,12 +1,12 @@
-"""Fixed-size slots of host memory keyed by block hash: LRU order with demand protection, a
-free list, lazy growth."""
+"""Fixed-size slots of host memory keyed by block hash: a free list, lazy growth, and the bound
+keys' eviction order (``SlotKeys``: an eviction policy with demand protection)."""
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
 from collections.abc import Callable
 
 from kvos.cache.block import BlockHash
+from kvos.cache.eviction import EvictionPolicy, make_policy
+from kvos.cache.tiers.slot_keys import Demand, SlotKeys
 
 Allocate = Callable[[int], memoryview]
 """``allocate(nbytes)`` returns a writable byte memoryview of exactly ``nbytes`` that stays valid
@@ -14,9 +14,7 @@ for the arena's lifetime (the engine passes page-locked memory when it runs on a
 
 DEFAULT_CHUNK_BYTES = 128 << 20
 
-Demand = dict[BlockHash, tuple[int, int]]
-"""Per block hash a waiting request will hit: (its first waiting user's queue position, the
-block's position in that request's chain)."""
+__all__ = ["DEFAULT_CHUNK_BYTES", "Allocate", "Demand", "SlotArena", "allocate_bytearray"]
 
 
 def allocate_bytearray(nbytes: int) -> memoryview:
@@ -29,22 +27,24 @@ class SlotArena:
 
     Memory comes from ``allocate`` one chunk (about ``chunk_bytes``) at a time, only when the free
     list is empty (or ``grow`` is called), so a large tier does not reserve (or pin) its whole
-    capacity at start unless its owner asks; it is never returned. A key's slot is found with ``lookup`` (which makes it most recently used);
-    ``evict`` and ``drop`` unbind a key.
+    capacity at start unless its owner asks; it is never returned.
 
-    Demand (``set_demand``, the waiting queue's next hits): ``evict`` takes the least recently
-    used key that no waiting request will hit; only when every key is wanted does it take the
-    one wanted farthest back in the queue (deepest in its chain first), as the device pool's
-    ``BlockPool.hold`` does. Wanted keys met on the way are set aside, and go back to their
-    places in LRU order when the demand changes.
+    Keys (``keys``, a ``SlotKeys``): ``bind`` puts a key in a slot, ``lookup`` finds it (a hit,
+    which the eviction policy hears), ``evict`` and ``drop`` unbind one. ``policy`` (a name of
+    ``kvos.cache.eviction``'s registry, sized for ``capacity_slots``, or a policy object) picks
+    the victim among the keys no waiting request will hit (``set_demand``); only when every key
+    is wanted does ``evict`` take the one wanted farthest back in the queue (deepest in its
+    chain first), as the device pool's ``BlockPool.hold`` does. The default, ``lru``, evicts
+    the least recently bound or hit key first.
 
     Safety rule: a view of a slot aliases the arena's memory. It stays valid until that slot is
-    handed out again by ``alloc`` or taken by ``evict_lru`` and rewritten; the owner decides when
+    handed out again by ``alloc`` or taken by ``evict`` and rewritten; the owner decides when
     that can happen (``CPUTier``: only on a put). Not thread-safe: the owner's lock guards it.
     """
 
     def __init__(self, slot_bytes: int, capacity_bytes: int, allocate: Allocate = allocate_bytearray,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, align: int = 64) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, align: int = 64,
+                 policy: str | EvictionPolicy = "lru") -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
         self.slot_bytes = slot_bytes
@@ -57,26 +57,32 @@ class SlotArena:
         self.chunks: list[memoryview] = []
         self._num_slots = 0  # slots in allocated chunks
         self._free: list[int] = []
-        self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
-        self.demand: Demand = {}
-        self._held: dict[BlockHash, tuple[int, int]] = {}  # wanted key -> (slot, its latest seq), under _held_for
-        self._held_seq: list[BlockHash] = []  # in the order they left the front (a key may recur)
-        self._held_heap: list[tuple[int, int, int, BlockHash]] = []  # (-rank, -depth, seq, key)
-        self._held_for: Demand | None = None
+        self.keys = SlotKeys(make_policy(policy, capacity=self.capacity_slots) if isinstance(policy, str)
+                             else policy)
         self.grow_on_demand = True
         """False while the owner grows the arena itself (``add_chunk``, e.g. from a background
         thread): ``alloc`` then only takes free slots."""
 
     def __len__(self) -> int:
-        return len(self._lru) + len(self._held)
+        return len(self.keys)
 
     def __contains__(self, key: BlockHash) -> bool:
-        return key in self._lru or key in self._held
+        return key in self.keys
+
+    @property
+    def _lru(self) -> dict[BlockHash, int]:
+        """The bound keys, key -> slot (this name is older than the eviction policies: callers that
+        read it get every bound key, in no particular order)."""
+        return self.keys.slots
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.keys.policy
 
     def set_demand(self, demand: Demand) -> None:
         """The waiting queue's wanted keys from now on (replaces the previous demand; the
         mapping must not be mutated afterwards)."""
-        self.demand = demand
+        self.keys.set_demand(demand)
 
     @property
     def reserved_bytes(self) -> int:
@@ -87,16 +93,8 @@ class SlotArena:
         return self.chunks[chunk][i * self.stride: i * self.stride + self.slot_bytes]
 
     def lookup(self, key: BlockHash) -> int | None:
-        """The slot holding ``key`` (now the most recently used), or None."""
-        slot = self._lru.get(key)
-        if slot is not None:
-            self._lru.move_to_end(key)
-            return slot
-        held = self._held.pop(key, None)
-        if held is None:
-            return None
-        self._lru[key] = held[0]  # used now: back in LRU order, most recent (its heap entry is stale)
-        return held[0]
+        """The slot holding ``key`` (a hit: the policy hears it), or None."""
+        return self.keys.lookup(key)
 
     def alloc(self) -> int | None:
         """A free slot (growing by a chunk if none is free and ``grow_on_demand``), or None."""
@@ -132,46 +130,14 @@ class SlotArena:
         self._num_slots += n
 
     def bind(self, key: BlockHash, slot: int) -> None:
-        """``key`` now lives in ``slot`` (from ``alloc`` or ``evict``), most recently used."""
-        self._lru[key] = slot
+        """``key`` (not bound) now lives in ``slot`` (from ``alloc`` or ``evict``)."""
+        self.keys.bind(key, slot)
 
     def evict(self, wanted: bool = True) -> tuple[BlockHash, int] | None:
-        """Unbind the least recently used key no waiting request wants (else, if ``wanted``, the
-        one wanted farthest back; else None); its slot (content intact) goes to the caller.
-        KeyError if none is bound."""
-        if self._held_for is not self.demand:
-            self._release_held()
-        demand = self.demand
-        while self._lru:
-            key, slot = self._lru.popitem(last=False)
-            want = demand.get(key)
-            if want is None:
-                return key, slot
-            self._held_seq.append(key)
-            self._held[key] = (slot, len(self._held_seq))
-            heapq.heappush(self._held_heap, (-want[0], -want[1], len(self._held_seq), key))
-            self._held_for = demand
-        if not wanted and self._held:
-            return None
-        while self._held_heap:
-            _, _, seq, key = heapq.heappop(self._held_heap)
-            held = self._held.get(key)
-            if held is not None and held[1] == seq:  # else dropped, or used and set aside again since
-                del self._held[key]
-                return key, held[0]
-        raise KeyError("no key is bound")
-
-    def _release_held(self) -> None:
-        """Put the set-aside keys back at the LRU front, in their old order."""
-        for key in reversed(self._held_seq):
-            held = self._held.pop(key, None)
-            if held is not None:
-                self._lru[key] = held[0]
-                self._lru.move_to_end(key, last=False)
-        self._held.clear()
-        self._held_seq.clear()
-        self._held_heap.clear()
-        self._held_for = None
+        """Unbind the policy's choice among the keys no waiting request wants (else, if
+        ``wanted``, the one wanted farthest back; else None); its slot (content intact) goes to
+        the caller. KeyError if none is bound."""
+        return self.keys.evict(wanted)
 
     def free(self, slot: int) -> None:
         """Return an unbound slot (from ``alloc`` or ``evict``) to the free list."""
@@ -179,9 +145,6 @@ class SlotArena:
 
     def drop(self, key: BlockHash) -> None:
         """Unbind ``key``; its slot goes back to the free list."""
-        slot = self._lru.pop(key, None)
-        if slot is None:
-            held = self._held.pop(key, None)
-            slot = None if held is None else held[0]
+        slot = self.keys.drop(key)
         if slot is not None:
             self._free.append(slot)

@@ -38,7 +38,7 @@ class EvictedFrameListener(Protocol):
 
 
 class Tier(ABC):
-    """A byte store keyed by block hash, with its own capacity and LRU eviction.
+    """A byte store keyed by block hash, with its own capacity and eviction (LRU; the CPU tier: a policy).
 
     Thread-safe: the engine's background I/O thread and the scheduler both call it. ``get``
     returns verified payloads only: a frame is verified against the key it is read under

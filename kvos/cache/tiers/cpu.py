@@ -6,6 +6,7 @@ import threading
 import time
 
 from kvos.cache.block import BlockHash
+from kvos.cache.eviction import online_policies
 from kvos.cache.tiers.arena import (
     DEFAULT_CHUNK_BYTES,
     Allocate,
@@ -37,6 +38,10 @@ class CPUTier(Tier):
     slot with a frame of its own length (a smaller group's block leaves the slot's tail
     unused), a larger one is not stored and counts in ``stats.skipped_writes``.
 
+    Eviction: ``eviction_policy`` (one of ``online_policies``: the device pool's and the
+    simulated tier's policy classes) orders the stored blocks; a get is a hit it hears; the
+    blocks the waiting queue will hit (``set_demand``) go last (``SlotArena``, ``SlotKeys``).
+
     Safety rule: ``get`` returns a view of slot memory, valid only until the next ``put`` into
     this tier (a put may evict that slot and rewrite it; a get never writes a slot, so gets may
     run concurrently). The engine puts only on its single tier I/O thread; gets run there or on
@@ -49,8 +54,13 @@ class CPUTier(Tier):
     _LEAD = (-HEADER_SIZE) % PAYLOAD_ALIGN  # frame offset in a slot: header ends on the alignment
 
     def __init__(self, capacity_bytes: int, allocate: Allocate = allocate_bytearray,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, digest_fn: Digest | None = None) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, digest_fn: Digest | None = None,
+                 eviction_policy: str = "lru") -> None:
         super().__init__(capacity_bytes, DigestCodec(digest_fn) if digest_fn is not None else PLAIN)
+        if eviction_policy not in online_policies():
+            raise ValueError(f"{self.name} tier eviction_policy must be one of {list(online_policies())}, "
+                             f"got {eviction_policy!r}")
+        self.eviction_policy = eviction_policy
         self.digests = digest_fn is not None
         """Frames carry a digest the loader checks (``get_for_load``), not an xxh3 checksum."""
         self.allocate = allocate
@@ -127,7 +137,7 @@ class CPUTier(Tier):
         if self.arena is None:
             try:
                 self.arena = SlotArena(size, self.capacity_bytes, self.allocate, self.chunk_bytes,
-                                       self.PAYLOAD_ALIGN)
+                                       self.PAYLOAD_ALIGN, self.eviction_policy)
             except ValueError:  # not even one slot of this size fits the capacity
                 return False
             self.arena.set_demand(self._demand)

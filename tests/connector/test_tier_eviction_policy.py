@@ -1,0 +1,323 @@
+"""The engine's CPU tier evicts by the simulator's policy objects (``tier_eviction_policy``): the
+same keys in the same order as the policy driven alone and as the simulated tier, LRU exactly
+as before, and an engine with ``s3fifo`` serves prefixes from the tier with unchanged output."""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvos.cache.block import KVBlock
+from kvos.cache.eviction import make_policy, online_policies
+from kvos.cache.tiers import CPUTier
+from kvos.cache.tiers.codec import HEADER_SIZE
+from kvos.sim.tier import SimTier, SimTierConfig
+
+KEYS = [bytes([i]) * 16 for i in range(8)]
+PAYLOAD = 200
+SLOTS = 4
+SLOT = -(-(CPUTier._LEAD + HEADER_SIZE + PAYLOAD) // 64) * 64
+
+
+def payload(key: bytes) -> bytes:
+    return key[:1] * PAYLOAD
+
+
+class Evictions:
+    """Records the keys a tier evicts, in order (``EvictedFrameListener``)."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+
+    def frame_evicted(self, tier, key, frame) -> None:
+        self.keys.append(key)
+
+
+class PolicyOrder:
+    """The CPU tier's rule spelled out on the policy object alone (no slots, no arena): a stored
+    key is a fresh ``KVBlock`` whose ``cached_at`` then ``last_used`` are ticked before the policy
+    gets it; a hit calls ``on_hit`` at a tick, takes the block out (unless held), counts the hit,
+    ticks ``last_used`` and gives it back (a held one stays held); a demand set is applied at the
+    next eviction: held blocks go back (``restore``, or ``add`` if stored or hit while held), then
+    every stored key it names is held; an eviction pops the policy, else the held key with the
+    largest (rank, depth), least recently used first."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.policy = make_policy(name, capacity=capacity)
+        self.capacity = capacity
+        self.blocks: dict[bytes, KVBlock] = {}
+        self.ids = itertools.count()
+        self.clock = itertools.count(1)
+        self.demand: dict = {}
+        self.applied: dict | None = None
+        self.held: dict[bytes, str] = {}  # key -> how it goes back: "restore" or "add"
+
+    def put(self, key: bytes, evict_wanted: bool = True) -> list[bytes] | None:
+        """The keys evicted to store ``key`` (None: refused, only wanted keys could go)."""
+        if key in self.blocks:
+            return []
+        evicted = []
+        if len(self.blocks) == self.capacity:
+            victim = self.evict(evict_wanted)
+            if victim is None:
+                return None
+            evicted.append(victim)
+        block = KVBlock(next(self.ids), block_hash=key)
+        block.cached_at = next(self.clock)
+        block.last_used = next(self.clock)
+        self.blocks[key] = block
+        if self.applied is self.demand and key in self.demand:
+            self.held[key] = "add"
+        else:
+            self.policy.add(block)
+        return evicted
+
+    def hit(self, key: bytes) -> None:
+        block = self.blocks.get(key)
+        if block is None:
+            return
+        self.policy.on_hit(block, next(self.clock))
+        if key not in self.held:
+            self.policy.remove(block)
+        block.num_hits += 1
+        block.last_used = next(self.clock)
+        if key in self.held:
+            self.held[key] = "add"
+        else:
+            self.policy.add(block)
+
+    def drop(self, key: bytes) -> None:
+        if self.held.pop(key, None) is None:
+            self.policy.remove(self.blocks[key])
+        del self.blocks[key]
+
+    def evict(self, wanted: bool) -> bytes | None:
+        if self.applied is not self.demand:
+            for key, how in self.held.items():
+                (self.policy.add if how == "add" else self.policy.restore)(self.blocks[key])
+            self.held, self.applied = {}, self.demand
+            for key in self.demand:
+                if key in self.blocks:
+                    self.policy.remove(self.blocks[key])
+                    self.held[key] = "restore"
+        if len(self.policy):
+            key = self.policy.pop().block_hash
+        elif not wanted:
+            return None
+        else:
+            key = max(self.held, key=lambda k: (self.applied[k], -self.blocks[k].last_used))
+            del self.held[key]
+        del self.blocks[key]
+        return key
+
+
+OPS = st.lists(st.one_of(
+    *[st.tuples(st.just("put"), st.sampled_from(KEYS))] * 3,
+    *[st.tuples(st.just("get"), st.sampled_from(KEYS))] * 3,
+    st.tuples(st.just("reserve"), st.sampled_from(KEYS), st.booleans()),
+    st.tuples(st.just("corrupt"), st.sampled_from(KEYS)),
+    st.tuples(st.just("demand"), st.dictionaries(st.sampled_from(KEYS), st.tuples(st.integers(0, 3),
+                                                                                   st.integers(0, 3)), max_size=4)),
+), min_size=10, max_size=60)
+
+
+def run_on_tier(cpu: CPUTier, ops, on_put, on_hit, on_drop, on_demand) -> None:
+    """Apply ``ops`` to ``cpu`` (real bytes) and to a reference through the callbacks, checking
+    after each that both evicted the same keys and hold the same ones."""
+    seen = Evictions()
+    cpu.add_eviction_listener(seen)
+    expected: list[bytes] = []
+    stored: set[bytes] = set()
+    for op in ops:
+        kind, key = op[0], op[1]
+        if kind in ("put", "reserve"):
+            wanted = op[2] if kind == "reserve" else True
+            evicted = on_put(key, wanted)
+            if kind == "put":
+                assert cpu.put(key, payload(key))
+            else:
+                got = cpu.reserve(key, PAYLOAD, evict_wanted=wanted)
+                if key in stored:
+                    assert got is None
+                elif evicted is None:
+                    assert got is False
+                else:
+                    slot, view = got
+                    view[:] = payload(key)
+                    cpu.commit(key, slot)
+            if evicted is not None:
+                expected += evicted
+                stored = (stored - set(evicted)) | {key}
+        elif kind == "get":
+            data = cpu.get(key)
+            assert (data is not None) == (key in stored)
+            if data is not None:
+                assert bytes(data) == payload(key)
+                on_hit(key)
+        elif kind == "corrupt":
+            if key in stored:
+                cpu.corrupt(key)  # a hit, then the bytes change
+                assert cpu.get(key) is None  # a hit that fails its checksum: dropped
+                on_hit(key)
+                on_hit(key)
+                on_drop(key)
+                stored.discard(key)
+        else:
+            cpu.set_demand(key)
+            on_demand(key)
+        assert seen.keys == expected
+        assert {k for k in KEYS if cpu.contains(k)} == stored
+
+
+@pytest.mark.parametrize("policy", online_policies())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS)
+def test_cpu_tier_evicts_in_the_policy_objects_own_order(policy, ops):
+    """Puts, reserved stores (some that may not evict a wanted key), hits, checksum failures and
+    demands on a four-slot CPU tier evict exactly what the policy, driven alone, evicts."""
+    ref = PolicyOrder(policy, SLOTS)
+    cpu = CPUTier(SLOTS * SLOT, eviction_policy=policy)
+
+    def demand(d):
+        ref.demand = d
+
+    run_on_tier(cpu, ops, ref.put, ref.hit, ref.drop, demand)
+    assert cpu.arena is None or cpu.arena.policy.name == policy
+    learned = getattr(ref.policy, "estimator", None)  # ``reuse`` learns from hits (``on_hit``) and evictions
+    if learned is not None and cpu.arena is not None:
+        assert (cpu.arena.policy.estimator.hits, cpu.arena.policy.estimator.evictions) == (
+            learned.hits, learned.evictions)
+
+
+class Recorder:
+    """The simulated tier's evictions (a ``BlockPoolListener`` of its pool)."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+
+    def block_cached(self, group, block, adopted) -> None:
+        pass
+
+    def block_evicting(self, group, block) -> None:
+        self.keys.append(block.block_hash)
+
+
+@pytest.mark.parametrize("policy", online_policies())
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "put", "get"]), st.sampled_from(KEYS)), min_size=5, max_size=60))
+def test_cpu_tier_evicts_like_the_simulated_tier(policy, ops):
+    """Stores of new blocks and single-block hits: the engine's CPU tier and the simulator's
+    ``SimTier`` (a ``BlockPool`` over the same policy class) evict the same keys in the same order."""
+    sim = SimTier(SimTierConfig(SLOTS, policy), block_size=16, block_bytes=1.0)
+    recorder = Recorder()
+    sim.pool.add_listener(recorder)
+
+    def put(key, wanted):
+        if sim.lookup(None, [key]):  # the engine's put of a stored key is a no-op (a sim store would be a hit)
+            return []
+        before = len(recorder.keys)
+        sim.store(KVBlock(0, block_hash=key))
+        return recorder.keys[before:]
+
+    def hit(key):
+        assert sim.load([key], 0.0)[0] == 1
+
+    run_on_tier(CPUTier(SLOTS * SLOT, eviction_policy=policy), ops, put, hit, None, None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS, explicit=st.booleans())
+def test_default_lru_evicts_as_a_plain_lru_list(ops, explicit):
+    """The default (and ``lru``) keeps the order the CPU tier always had: an LRU list in which a
+    store or a hit moves a key to the end; the least recently used key no waiting request
+    wants goes first, else the wanted key with the largest (rank, depth), least recently used
+    first among equals."""
+    lru: OrderedDict[bytes, None] = OrderedDict()
+    demand: dict = {}
+
+    def put(key, wanted):
+        if key in lru:
+            return []
+        evicted = []
+        if len(lru) == SLOTS:
+            free = [k for k in lru if k not in demand]
+            if free:
+                victim = free[0]
+            elif not wanted:
+                return None
+            else:
+                best = max(demand[k] for k in lru)
+                victim = next(k for k in lru if demand[k] == best)
+            del lru[victim]
+            evicted.append(victim)
+        lru[key] = None
+        return evicted
+
+    def set_demand(d):
+        demand.clear()
+        demand.update(d)
+
+    cpu = CPUTier(SLOTS * SLOT, eviction_policy="lru") if explicit else CPUTier(SLOTS * SLOT)
+    run_on_tier(cpu, ops, put, lambda k: lru.move_to_end(k), lambda k: lru.pop(k), set_demand)
+
+
+def test_tier_eviction_policy_is_validated_and_reaches_the_flags():
+    from kvos.config import EngineConfig
+    from kvos.sim import sim_cli
+
+    with pytest.raises(ValueError, match="tier_eviction_policy"):
+        EngineConfig(tier_eviction_policy="belady")  # offline: needs the simulator's oracle
+    with pytest.raises(ValueError, match="eviction_policy"):
+        CPUTier(SLOT, eviction_policy="nope")
+    import argparse
+
+    p = argparse.ArgumentParser()
+    sim_cli.add_args(p)
+    for flag in ("--tier-policy", "--tier-eviction-policy"):  # one field, both spellings, engine and simulator
+        a = p.parse_args(["--synthetic", "--tier-blocks", "8", flag, "s3fifo"])
+        cfg, _ = sim_cli.build(a)
+        assert cfg.tier.policy == "s3fifo"
+
+
+def chat_with_fresh_fillers(llm) -> list:
+    """``test_tiers.chat_turns``, each turn followed by two fillers of its own (text no later
+    request repeats): they push the conversation off the 24-block device and fill the tier with
+    blocks stored once and never hit, so the tier must evict."""
+    from kvos import SamplingParams
+    from tests.connector.test_tiers import QUESTIONS, SP, SYSTEM
+
+    msgs = [{"role": "system", "content": SYSTEM}]
+    outs = []
+    for turn, q in enumerate(QUESTIONS):
+        msgs = msgs + [{"role": "user", "content": q}]
+        o = llm.chat(msgs, SP, use_tqdm=False)[0]
+        outs.append(o)
+        msgs = msgs + [{"role": "assistant", "content": o.outputs[0].text}]
+        for i in range(2):
+            llm.generate([f"unrelated filler text {2 * turn + i} " * 60], SamplingParams(max_tokens=1),
+                         use_tqdm=False)
+    return outs
+
+
+@pytest.mark.slow
+def test_engine_with_an_s3fifo_tier_serves_prefixes_with_unchanged_output(make_llm):
+    """A 24-block device over a CPU tier of 48 slots run by ``s3fifo``: later turns load their
+    prefix from the tier (the fillers, stored once, are what it evicts) and the outputs equal an
+    engine without any cache."""
+    from tests.connector.test_tiers import chat_turns
+
+    plain = make_llm(enable_prefix_caching=False)
+    reference = [o.outputs[0].token_ids for o in chat_turns(plain, evict=False)]
+    slot = -(-(plain.engine.runner.block_bytes + 64) // 64) * 64  # payload, header and alignment
+    llm = make_llm(num_blocks=24, cpu_cache_gb=48.5 * slot / (1 << 30), tier_eviction_policy="s3fifo")
+    cpu = next(t for t in llm.engine.offload.h.tiers if t.name == "cpu")
+    assert cpu.eviction_policy == "s3fifo", "EngineConfig.tier_eviction_policy does not reach build_hierarchy"
+    outs = chat_with_fresh_fillers(llm)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert cpu.arena.policy.name == "s3fifo" and cpu.arena.capacity_slots == 48
+    assert all(o.metrics["cached_tokens_by_source"].get("cpu", 0) > 0 for o in outs[1:])
+    assert all(o.metrics["cached_tokens_by_source"].get("device", 0) == 0 for o in outs[1:])  # the device lost it
+    assert cpu.stats.evictions > 0
