@@ -25,7 +25,7 @@ from kvos.connector.offload import OffloadManager, build_hierarchy
 from kvos.connector.swap import HostSwapSpace
 from kvos.core.kv_events import KVEventBatch, KVSnapshot
 from kvos.core.media import MediaItem
-from kvos.core.outputs import CompletionOutput, RequestOutput
+from kvos.core.outputs import CompletionOutput, Logprob, RequestOutput
 from kvos.core.request import Request, RequestStatus
 from kvos.core.sampling_params import SamplingParams
 from kvos.engine.detokenizer import IncrementalDetokenizer
@@ -86,9 +86,9 @@ class _UserRequest:
     arrival_time: float
     seqs: dict[int, Request] = field(default_factory=dict)
     detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
-    logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
     cum_logprob: dict[int, float] = field(default_factory=dict)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_token_time: float | None = None
 
     def finished(self) -> bool:
@@ -288,6 +288,9 @@ class LLMEngine:
             self.tokenizer, tok_eos if tok_eos is not None else min(eos, default=0), mc.vocab_size))
         """Grammar state of the sequences with ``structured_outputs``; see ``kvos.structured``."""
         self._constrained: set[str] = set()  # user requests with structured outputs, not finished
+        tok = self.tokenizer
+        self._token_text: Callable[[int], str] | None = None if tok is None else lambda t: tok.decode([t])
+        """Decodes a logprob's ``decoded_token`` when first read (None without a tokenizer, as vLLM)."""
         hierarchy = build_hierarchy(config.cpu_cache_gb, config.disk_cache_dir, config.disk_cache_gb,
                                     config.remote_cache, config.write_policy,
                                     pinned=self.runner.device.type == "cuda",
@@ -731,7 +734,7 @@ class LLMEngine:
                 plps = ureq.prompt_logprobs
                 for pos, row in enumerate(rows, first):
                     if plps[pos] is None:  # a recompute after preemption keeps the first values
-                        plps[pos] = row
+                        plps[pos] = {t: Logprob(lp, lp.rank, None, t, self._token_text) for t, lp in row.items()}
         got = self.scheduler.update_from_output(
             out, {r: s.spec_token_ids or s.token_id for r, s in sampled.items()})
         if launched.verify is not None:
@@ -845,7 +848,10 @@ class LLMEngine:
             detok = ureq.detoks[i] = IncrementalDetokenizer(self.tokenizer, ureq.params)
         if st.logprob is not None:
             ureq.cum_logprob[i] = ureq.cum_logprob.get(i, 0.0) + st.logprob
-            entry = {st.token_id: st.logprob, **dict(st.top_logprobs or [])}
+            text = self._token_text
+            entry = {st.token_id: Logprob(st.logprob, st.rank, None, st.token_id, text)}
+            for rank, (t, lp) in enumerate(st.top_logprobs or (), 1):
+                entry.setdefault(t, Logprob(lp, rank, None, t, text))
             ureq.logprobs.setdefault(i, []).append(entry)
         ids = seq.output_token_ids
         new = len(ids) - detok.seen

@@ -78,15 +78,14 @@ class LogprobFormatter:
     def prompt(self, entries: list[dict[int, float] | None]) -> list[dict | None]:
         """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id (a JSON
         string): {"logprob", "rank", "decoded_token"}}, the prompt token first, then the top-k.
-        ``rank`` is 1 + the number of listed tokens more likely (exact within the top-k)."""
+        ``rank`` is the engine's (1 + the number of tokens more likely, over the vocabulary)."""
         out: list[dict | None] = []
         for entry in entries:
             if entry is None:
                 out.append(None)
                 continue
-            vals = list(entry.values())
-            out.append({str(t): {"logprob": lp, "rank": 1 + sum(v > lp for v in vals),
-                                 "decoded_token": self.text(t)} for t, lp in entry.items()})
+            out.append({str(t): {"logprob": float(lp), "rank": lp.rank, "decoded_token": self.text(t)}
+                        for t, lp in entry.items()})
         return out
 
     def chat(self, c: CompletionOutput, start: int, top_n: int) -> dict | None:

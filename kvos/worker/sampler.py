@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvos.core.outputs import Logprob
 from kvos.core.sampling_params import SamplingParams
 from kvos.models.ops import use_kernels
 from kvos.worker.host_copies import to_device
@@ -70,6 +71,8 @@ class SampleRow:
 class SampledToken:
     token_id: int
     logprob: float | None = None
+    rank: int | None = None
+    """With ``logprob``: 1 + the number of tokens more likely than this one (whole vocabulary)."""
     top_logprobs: list[tuple[int, float]] | None = None
     spec_token_ids: list[int] | None = None
     """A verify step's tokens: the accepted drafts, then ``token_id``."""
@@ -88,6 +91,7 @@ class PendingSamples:
     tokens: torch.Tensor
     host_tokens: torch.Tensor
     host_logprob: torch.Tensor | None = None
+    host_rank: torch.Tensor | None = None
     host_top_ids: torch.Tensor | None = None
     host_top_vals: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
@@ -106,27 +110,29 @@ class PromptLogprobRows:
 
 @dataclass
 class PendingPromptLogprobs:
-    """A step's prompt logprobs on their way to the host: ``host`` is float32 ``[rows, 1 + 2K]``
-    (each prompt token's logprob, the top-K logprobs, then their token ids, exact in float32
-    below 2**24), valid once ``ready`` (a CUDA event; None on the CPU) has completed."""
+    """A step's prompt logprobs on their way to the host: ``host`` is float32 ``[rows, 2 + 2K]``
+    (each prompt token's logprob and rank, the top-K logprobs, then their token ids; ids and
+    ranks exact in float32 below 2**24), valid once ``ready`` (a CUDA event; None on the CPU)
+    has completed."""
 
     entries: list[PromptLogprobRows]
     host: torch.Tensor
     top: int
     ready: torch.cuda.Event | None = None
 
-    def collect(self) -> dict[str, tuple[int, list[dict[int, float]]]]:
+    def collect(self) -> dict[str, tuple[int, list[dict[int, Logprob]]]]:
         """Wait for the copy; per request id, (its first prompt position, one dict per row:
-        the prompt token's logprob first, then the top-k, as vLLM orders them)."""
+        the prompt token's logprob first, then the top-k ranked 1 .. k, as vLLM orders them;
+        no text yet: the engine, which has the tokenizer, sets it)."""
         if self.ready is not None:
             self.ready.synchronize()
         rows, K, out, r = self.host.tolist(), self.top, {}, 0
         for e in self.entries:
             dicts = []
             for tok, row in zip(e.token_ids, rows[r: r + len(e.token_ids)]):
-                d = {tok: row[0]}
-                for i, v in zip(row[1 + K: 1 + K + e.k], row[1: 1 + e.k]):
-                    d.setdefault(int(i), v)
+                d = {tok: Logprob(row[0], int(row[1]))}
+                for rank, (i, v) in enumerate(zip(row[2 + K: 2 + K + e.k], row[2: 2 + e.k]), 1):
+                    d.setdefault(int(i), Logprob(v, rank))
                 dicts.append(d)
             out[e.request_id] = (e.first, dicts)
             r += len(e.token_ids)
@@ -136,22 +142,29 @@ class PendingPromptLogprobs:
 def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                     targets: torch.Tensor, top: int, vocab_size: int,
                     max_elements: int = 1 << 25) -> torch.Tensor:
-    """Float32 ``[rows, 1 + 2 * top]``: per hidden row, ``log_softmax`` (float32) of its logits
-    at its target token, then the ``top`` largest logprobs and their token ids. One gather per
+    """Float32 ``[rows, 2 + 2 * top]``: per hidden row, ``log_softmax`` (float32) of its logits
+    at its target token and the target's rank (1 + tokens more likely), then the ``top`` largest
+    logprobs and their token ids. One gather per
     ``max_elements`` logits (128 MiB: a 262k vocabulary makes 128 rows at a time, SmolLM2's 682),
     so a long prefill chunk never holds all its logits at once."""
     n = hidden.shape[0]
-    out = torch.empty(n, 1 + 2 * top, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(n, 2 + 2 * top, dtype=torch.float32, device=hidden.device)
     step = max(1, max_elements // vocab_size)
     for a in range(0, n, step):
         b = min(n, a + step)
         logprobs = torch.log_softmax(compute_logits(hidden[a:b]).float(), dim=-1)
         out[a:b, 0] = logprobs.gather(1, targets[a:b, None])[:, 0]
+        out[a:b, 1] = rank_of(logprobs, out[a:b, 0]).float()
         if top:
             vals, ids = logprobs.topk(top, dim=-1)
-            out[a:b, 1: 1 + top] = vals
-            out[a:b, 1 + top:] = ids.float()
+            out[a:b, 2: 2 + top] = vals
+            out[a:b, 2 + top:] = ids.float()
     return out
+
+
+def rank_of(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Per row, 1 + the number of tokens whose logprob is above ``chosen``'s (vLLM's rank)."""
+    return (logprobs > chosen[:, None]).sum(dim=-1) + 1
 
 
 def _adjusts(r: SampleRow) -> bool:
@@ -329,7 +342,8 @@ class Sampler:
         want = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         if want:
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            out.host_logprob = self._to_host(logprobs.gather(1, tokens[:, None])[:, 0])
+            chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+            out.host_logprob, out.host_rank = self._to_host(chosen), self._to_host(rank_of(logprobs, chosen))
             k = max(want)
             if k > 0:
                 vals, ids = logprobs.topk(k, dim=-1)
@@ -352,6 +366,7 @@ class Sampler:
             p.ready.synchronize()
         token_list = p.host_tokens.tolist()
         lps = p.host_logprob.tolist() if p.host_logprob is not None else None
+        ranks = p.host_rank.tolist() if p.host_rank is not None else None
         top_ids = p.host_top_ids.tolist() if p.host_top_ids is not None else None
         top_vals = p.host_top_vals.tolist() if p.host_top_vals is not None else None
         out = []
@@ -360,6 +375,7 @@ class Sampler:
             k = r.params.logprobs
             if k is not None and lps is not None:
                 st.logprob = lps[i]
+                st.rank = ranks[i] if ranks is not None else None
                 if k > 0 and top_ids is not None and top_vals is not None:
                     st.top_logprobs = list(zip(top_ids[i][:k], top_vals[i][:k]))
             out.append(st)
