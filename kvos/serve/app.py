@@ -22,15 +22,25 @@ from kvos.core.sampling_params import SamplingParams
 from kvos.engine.chat import (
     chat_prompt_ids,
     has_chat_template,
-    message_spans,
     split_image_parts,
 )
-from kvos.engine.client import EngineClient, EngineStopped, RequestFailed, RequestStream
+from kvos.engine.client import EngineClient, EngineStopped, RequestFailed
 from kvos.engine.llm_engine import encode_segments, truncate_prompt
 from kvos.engine.media import expand_image_text
 from kvos.serve.admin import add_admin_routes
 from kvos.serve.chat_tools import ChatTools
 from kvos.serve.errors import APIError, clip, error_response, install_error_handlers
+from kvos.serve.generation import (
+    ClientDisconnected,
+    admit,
+    chat_ids_and_spans,
+    check_length,
+    check_model,
+    collect,
+    request_salt,
+    submit_all,
+    user_text,
+)
 from kvos.serve.kv_summary import kv_summary_router
 from kvos.serve.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -48,6 +58,7 @@ from kvos.serve.responses import (
     chat_body,
     completion_body,
 )
+from kvos.serve.responses_api import responses_router
 from kvos.serve.state import ServerState
 from kvos.serve.streaming import (
     UsageMode,
@@ -76,10 +87,6 @@ def allowed_origins_arg(value: str) -> list[str]:
         return parse_allowed_origins(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-class ClientDisconnected(Exception):
-    """The client of a non-streaming request went away; its requests were aborted."""
 
 
 class RequestIdMiddleware:
@@ -175,11 +182,11 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         Bounded as generation is: text that cannot fit the context by its size alone is a 400
         before any tokenizing, and work being tokenized counts against ``--max-waiting-requests``."""
         param = "messages" if body.messages is not None else "prompt"
-        _admit(state, body.model, 1, param)
+        admit(state, body.model, 1, param)
         state.require_tokenizer(param)
         if body.messages is not None:
             messages = _messages(body.messages)
-            state.check_fits(_user_text(messages), "messages")
+            state.check_fits(user_text(messages), "messages")
             with state.tokenizing(1):
                 ids = await state.tokenizers.run(lambda tok: _chat_ids(tok, messages, body.add_generation_prompt,
                                                                        bool(body.add_special_tokens)))
@@ -199,7 +206,7 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest):
-        _check_model(state, body.model)
+        check_model(state, body.model)
         state.require_tokenizer("tokens")
         vocab = state.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -217,19 +224,19 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
     async def pin_prefix(body: PinRequest, request: Request):
         """Pin a prefix (e.g. a system prompt) for the caller's tenant: its full blocks are
         never evicted until ``DELETE /v1/cache/pins/{pin_id}`` or ``ttl_s`` seconds."""
-        _check_model(state, body.model)
+        check_model(state, body.model)
         if body.messages is not None:
             state.require_tokenizer("messages")
             messages = _messages(body.messages)
-            state.check_fits(_user_text(messages), "messages")
+            state.check_fits(user_text(messages), "messages")
             prompt = {"prompt_token_ids": await state.tokenizers.run(lambda tok: _chat_ids(tok, messages, False,
                                                                                            False))}
         elif isinstance(body.prompt, list):
             prompt = {"prompt_token_ids": body.prompt}
         else:
             prompt = (await _pretokenize(state, [body.prompt]))[0]
-        salt = _salt(request, body.cache_salt)
-        pin = await state.engine.pin(prompt, body.ttl_s, salt)  # a ValueError is a 400 naming the field
+        # a ValueError is a 400 naming the field
+        pin = await state.engine.pin(prompt, body.ttl_s, request_salt(request, body.cache_salt))
         state.pin_tenants[pin.pin_id] = getattr(request.state, "tenant", None)
         return {"object": "cache.pin", **_pin_json(pin)}
 
@@ -252,43 +259,43 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str):
-        _check_model(state, model_id)
+        check_model(state, model_id)
         return state.model_card()
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         num_seqs = len(body.prompts()) * body.n
-        _admit(state, body.model, num_seqs, "n" if body.n > 1 else "prompt")
+        admit(state, body.model, num_seqs, "n" if body.n > 1 else "prompt")
         if body.echo:
             state.require_tokenizer("echo")
         with state.tokenizing(num_seqs):
             prompts = await _pretokenize(state, body.prompts(), body.truncate_prompt_tokens)
         for p in prompts:
-            _check_length(state, p, body.max_tokens, "max_tokens")
+            check_length(state, p, body.max_tokens, "max_tokens")
         params = body.sampling_params(body.max_tokens, body.logprobs, state.default_sampling)
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs come first
             params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await _submit_all(state, prompts, params, rid, body.priority, _salt(request, body.cache_salt),
-                                    bool(body.stream))
+        streams = await submit_all(state, prompts, params, rid, body.priority,
+                                   request_salt(request, body.cache_salt), bool(body.stream))
         with_ids = _returns_token_ids(state, body)
         if body.stream:
             return sse_response(completion_chunks(state, rid, streams, params.n, UsageMode(body), body.echo,
                                                   with_ids, body.prompt_logprobs is not None))
-        outs = await _collect(state, request, streams)
+        outs = await collect(state, request, streams)
         observe_finished(state, streams)
         return completion_body(rid, state.model_name, outs, params.n, state.logprobs, state.fingerprint,
                                body.echo, with_ids, body.prompt_logprobs is not None)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _admit(state, body.model, body.n, "n")
+        admit(state, body.model, body.n, "n")
         state.require_tokenizer("messages")
         messages = _messages(body.messages)
         tools = ChatTools.of(body, state.tokenizer, state.tool_call_parser)
         messages, template_tools = tools.prompt(messages)
         if body.truncate_prompt_tokens is None:  # else a long chat may still fit once cut
-            state.check_fits(_user_text(messages), "messages")
+            state.check_fits(user_text(messages), "messages")
         messages, images = split_image_parts(messages)
         media = state.require_media(images)
         template = {"add_generation_prompt": body.add_generation_prompt,
@@ -302,7 +309,7 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
                     expand=lambda text: expand_image_text(text, tok, media.vision, prepared), **template))
                 spans = ()
             else:
-                ids, spans = await state.tokenizers.run(lambda tok: _chat_ids_and_spans(
+                ids, spans = await state.tokenizers.run(lambda tok: chat_ids_and_spans(
                     tok, messages, template_tools, state.segment_reuse, template))
         k = body.truncate_prompt_tokens
         if k is not None and len(ids) > k:
@@ -310,7 +317,7 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
                 raise APIError(400, "truncate_prompt_tokens: a prompt with images cannot be cut",
                                param="truncate_prompt_tokens")
             ids, spans = truncate_prompt(ids, spans, k)
-        _check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
+        check_length(state, {"prompt_token_ids": ids}, body.effective_max_tokens(),
                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens", "messages")
         top_n = body.top_logprobs or 0
         params = body.sampling_params(body.effective_max_tokens(), body.effective_logprobs(), state.default_sampling)
@@ -323,18 +330,18 @@ def create_app(engine: EngineClient, model_name: str, api_keys: list[str] | None
         prompt = {"prompt_token_ids": ids, "segment_spans": spans}
         if images:
             prompt["multi_modal_data"] = {"image": prepared}
-        streams = await _submit_all(state, [prompt], params, rid,
-                                    body.priority,
-                                    _salt(request, body.cache_salt), bool(body.stream))
+        streams = await submit_all(state, [prompt], params, rid, body.priority,
+                                   request_salt(request, body.cache_salt), bool(body.stream))
         with_ids = _returns_token_ids(state, body)
         if body.stream:
             return sse_response(chat_chunks(state, rid, streams[0], UsageMode(body), top_n, with_ids, tools))
-        outs = await _collect(state, request, streams)
+        outs = await collect(state, request, streams)
         observe_finished(state, streams)
         return chat_body(rid, state.model_name, outs[0], state.logprobs, top_n, state.fingerprint, with_ids, tools)
 
     app.include_router(v1)
     app.include_router(kv_summary_router(state, auth))  # GET /v1/kv/summary (kvos top)
+    app.include_router(responses_router(state, auth))  # /v1/responses (OpenAI's Responses API)
 
     @app.post("/invocations", dependencies=auth)
     async def invocations(request: Request):
@@ -398,15 +405,6 @@ def _auth(state: ServerState):
     return check
 
 
-def _salt(request: Request, cache_salt: str | None) -> str | None:
-    """Tenant isolation: the API key's tenant (when keys are configured) and the body's
-    ``cache_salt`` both go into the root of every block hash."""
-    tenant = getattr(request.state, "tenant", None)
-    if tenant is None:
-        return cache_salt
-    return f"{tenant}:{cache_salt or ''}"
-
-
 def _tenant_pins(state: ServerState, request: Request) -> set[str]:
     tenant = getattr(request.state, "tenant", None)
     return {pin_id for pin_id, t in state.pin_tenants.items() if t == tenant}
@@ -422,27 +420,6 @@ def _returns_token_ids(state: ServerState, body) -> bool:
     new ones) and its ``prompt_token_ids`` (a stream: in its first chunk). On by default without a
     tokenizer, where the text is always empty."""
     return body.return_token_ids if body.return_token_ids is not None else state.tokenizer is None
-
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"The model `{clip(model)}` does not exist (this server serves `{state.model_name}`)",
-                       param="model", code="model_not_found")
-
-
-def _admit(state: ServerState, model: str | None, num_seqs: int, param: str) -> None:
-    """Backpressure in sequences (prompts × ``n``), not requests: past ``max_waiting`` sequences
-    waiting for their first token, 429; a request that alone is larger, 400 naming ``param``."""
-    if state.draining:
-        raise APIError(503, "server is shutting down", "service_unavailable", code="draining")
-    _check_model(state, model)
-    if num_seqs > state.max_waiting:
-        raise APIError(400, f"{param}: this request makes {num_seqs} sequences (prompts × n), more than the "
-                       f"server queues at once ({state.max_waiting}, --max-waiting-requests)", param=param)
-    if state.engine.num_pending + state.num_tokenizing + num_seqs > state.max_waiting:
-        state.metrics.rejected.labels("429").inc()
-        raise APIError(429, f"too many waiting requests ({state.max_waiting}); retry later",
-                       "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
 
 def _messages(messages) -> list[dict]:
@@ -467,13 +444,6 @@ def _messages(messages) -> list[dict]:
     return out
 
 
-def _chat_ids_and_spans(tokenizer, messages: list[dict], tools, segments: bool, template: dict):
-    """The chat's prompt ids (``template``: ``chat_prompt_ids``'s template options) and, when the
-    engines reuse segments, each message's span."""
-    ids = chat_prompt_ids(tokenizer, messages, tools=tools, **template)
-    return ids, message_spans(tokenizer, messages, ids, tools) if segments else ()
-
-
 def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
     """The chat's prompt ids (``chat_prompt_ids``: special-token text in messages stays text);
     ``add_special_tokens`` adds the tokenizer's BOS/EOS around them."""
@@ -489,14 +459,6 @@ def _tokenize_json(ids: list[int], max_model_len: int, token_strs: list[str] | N
 
     strs = "" if token_strs is None else f', "token_strs": {array(token_strs)}'
     return f'{{"count": {len(ids)}, "max_model_len": {max_model_len}, "tokens": {array(ids)}{strs}}}'.encode()
-
-
-def _user_text(messages: list[dict]) -> str:
-    """The text of the user messages: chat templates render each of them whole, so a chat prompt
-    is at least as long (other roles' text may be dropped, e.g. earlier reasoning)."""
-    return "".join(m["content"] if isinstance(m.get("content"), str) else
-                   "\n".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
-                   for m in messages if m.get("role") == "user" and isinstance(m.get("content"), (str, list)))
 
 
 async def _segmented(state: ServerState, prompt: dict, check_fits: bool = True) -> dict:
@@ -565,69 +527,3 @@ async def _pretokenize(state: ServerState, prompts: list, truncate: int | None =
         out.append(_truncated(p, truncate))
     return out
 
-
-def _check_length(state: ServerState, prompt, max_tokens: int | None, param: str,
-                  prompt_param: str = "prompt") -> None:
-    """Prompt plus ``max_tokens`` must fit the context (OpenAI and vLLM refuse, never clamp); a
-    prompt alone that leaves no room for output is the prompt's error (``prompt_param``), as
-    text, token ids or chat alike. Both are ``context_length_exceeded``."""
-    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt if isinstance(prompt, list) else None
-    if ids is None:
-        return
-    n, limit = len(ids), state.max_model_len
-    if n >= limit:
-        raise APIError(400, f"{prompt_param} is {n} tokens; max_model_len is {limit}, which leaves no room for "
-                            f"output", param=prompt_param, code="context_length_exceeded")
-    if max_tokens is not None and limit < n + max_tokens:
-        raise APIError(400, f"{param} is too large: the prompt is {n} tokens and {param} is {max_tokens}, "
-                            f"{n + max_tokens} in all, past this model's maximum context length of {limit} "
-                            f"tokens; ask for at most {limit - n}", param=param, code="context_length_exceeded")
-
-
-async def _submit_all(state: ServerState, prompts: list, params: SamplingParams, rid: str, priority: int,
-                      salt: str | None, stream: bool) -> list[RequestStream]:
-    """``stream``: the client sees tokens as they come, so after the first one the request can
-    no longer restart elsewhere (a data-parallel front end retries only what it may)."""
-    streams: list[RequestStream] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            streams.append(await state.engine.submit(prompt, params, f"{rid}-{i}", priority, salt,
-                                                     retriable=not stream))
-    except BaseException:
-        for s in streams:
-            await s.aclose()
-        raise
-    return streams
-
-
-async def _collect(state: ServerState, request: Request, streams: list[RequestStream]):
-    """Wait for every stream; abort them all if the client goes away first (one log line, no
-    traceback: ``ClientDisconnected`` becomes a response nobody reads)."""
-    work = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
-    work.add_done_callback(_retrieve)
-    try:
-        while True:
-            done, _ = await asyncio.wait({work}, timeout=0.5)
-            if done:
-                try:
-                    return work.result()
-                except RequestFailed:  # counted as "error" in the metrics, then a 500
-                    observe_finished(state, streams)
-                    raise
-            if await request.is_disconnected():
-                break
-    finally:
-        if not work.done():
-            work.cancel()
-            for s in streams:
-                await s.aclose()
-    observe_finished(state, streams)
-    log.info("client disconnected; aborted %s (x-request-id %s)", streams[0].request_id.rsplit("-", 1)[0],
-             request.scope.get("state", {}).get("request_id"))
-    raise ClientDisconnected
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    """Mark a cancelled gather's outcome as seen (else asyncio logs "exception was never retrieved")."""
-    if not fut.cancelled():
-        fut.exception()

@@ -39,12 +39,19 @@ class ChatTools:
 
     @classmethod
     def of(cls, body, tokenizer, parser: str | None = None) -> ChatTools:
-        tools = parse_tools(body.tools) if body.tools is not None else []
-        choice = parse_tool_choice(body.tool_choice, tools)
+        """A chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
+        return cls.make(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer, parser)
+
+    @classmethod
+    def make(cls, tools: list[dict] | None, tool_choice, parallel: bool | None, tokenizer,
+             parser: str | None = None) -> ChatTools:
+        """``tools`` and ``tool_choice`` in the chat API's shape; ValueErrors name those fields."""
+        parsed = parse_tools(tools) if tools is not None else []
+        choice = parse_tool_choice(tool_choice, parsed)
         template = getattr(tokenizer, "chat_template", None)
         native = template_renders_tools(tokenizer)
         fmt = parser or (pick_parser(template) if native else "hermes")
-        return cls(tools, choice, body.parallel_tool_calls is not False, fmt, native)
+        return cls(parsed, choice, parallel is not False, fmt, native)
 
     @property
     def active(self) -> bool:
