@@ -381,6 +381,8 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the rendered prompt's token logprobs (plus the top-k's), in the response's top level
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _no_legacy_functions(self):
@@ -389,7 +391,15 @@ class ChatCompletionRequest(_Common):
                 raise ValueError(f"{name}: {feature} is not supported by this server")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not returned in a stream on /v1/chat/completions (send stream: false)")
         return self
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, defaults)
+        params.prompt_logprobs = self.prompt_logprobs
+        return params
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

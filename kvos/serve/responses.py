@@ -154,5 +154,8 @@ def chat_body(rid: str, model: str, out: RequestOutput, lp: LogprobFormatter, to
                         "finish_reason": reason, "stop_reason": c.stop_reason,
                         **({"prompt_token_ids": out.prompt_token_ids, "token_ids": list(c.token_ids)}
                            if token_ids else {})})
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+    body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "system_fingerprint": fingerprint, "choices": choices, "usage": usage([out])}
+    if out.prompt_logprobs is not None:  # vLLM's place for them in a chat response
+        body["prompt_logprobs"] = lp.prompt(out.prompt_logprobs)
+    return body

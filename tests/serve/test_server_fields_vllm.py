@@ -74,3 +74,27 @@ def test_bad_values_name_the_field(server, field, value):
         r = post(server, path, **body, **{field: value})
         assert r.status_code == 400, (path, field, value, r.text)
         assert r.json()["error"]["param"].split(".")[0] == field, r.json()
+
+
+def test_chat_prompt_logprobs_match_transformers(server, tokenizer, hf_model):
+    """vLLM's ``prompt_logprobs`` on a chat: the rendered prompt's tokens, each with its logprob
+    and rank against transformers' log-softmax on the same ids; refused with ``stream``."""
+    import torch
+
+    r = post(server, "chat/completions", messages=CHAT, max_tokens=1, prompt_logprobs=2)
+    assert r.status_code == 200, r.text
+    plps = r.json()["prompt_logprobs"]
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+    assert len(plps) == len(ids) and plps[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    for pos in range(1, len(ids)):
+        entry, row = plps[pos], ref[pos - 1]
+        mine = entry[str(ids[pos])]
+        assert abs(mine["logprob"] - row[ids[pos]].item()) <= 1e-3
+        lo = 1 + int((row > row[ids[pos]] + 1e-3).sum())
+        assert lo <= mine["rank"] <= int((row >= row[ids[pos]] - 1e-3).sum())
+        assert mine["decoded_token"] == tokenizer.decode([ids[pos]])
+    r = post(server, "chat/completions", messages=CHAT, prompt_logprobs=2, stream=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
