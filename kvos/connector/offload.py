@@ -194,10 +194,11 @@ class OffloadManager:
         about to be rewritten. Write-through: handed to the I/O thread (``store_computed``) with
         a reference held on each block until it is done, so the engine thread never waits."""
         ids, hashes = [b.block_id for b in blocks], [self.key(group, b.block_hash) for b in blocks]
+        parents = [None if b.parent_hash is None else self.key(group, b.parent_hash) for b in blocks]
         if evicted:
             digests: list[int] | None = [] if self.tier_io.digests else None
             rows = self.runner.read_blocks(ids, digests, group=group)
-            self.io.submit(self.tier_io.store, hashes, rows, evicted, digests)
+            self.io.submit(self.tier_io.store, hashes, rows, evicted, digests, parents)
             return
         self.release_stored()
         while len(self.storing) >= self.MAX_STORE_BACKLOG:
@@ -209,7 +210,8 @@ class OffloadManager:
             after.record()
         pool = self.kv.pools[group]
         pool.touch(blocks)
-        self.storing.append((self.io.submit(self.tier_io.store_computed, hashes, ids, after, group), pool, blocks))
+        self.storing.append((self.io.submit(self.tier_io.store_computed, hashes, ids, after, group, parents),
+                             pool, blocks))
 
     def release_stored(self, wait: bool = False) -> None:
         """Engine thread: drop the references of write-through batches that are done (with

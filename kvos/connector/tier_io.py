@@ -94,7 +94,8 @@ class TierIO:
         the device straight into its slots (``store_computed``; one rank only)."""
 
     def store_computed(self, hashes: list[BlockHash], block_ids: list[int],
-                       after: torch.cuda.Event | None, group: int | None = None) -> None:
+                       after: torch.cuda.Event | None, group: int | None = None,
+                       parents: list[BlockHash | None] | None = None) -> None:
         """I/O thread: write-through of blocks of cache group ``group`` (None: the only one)
         that a step just computed, stored under ``hashes`` (their tier keys), read from the device pages
         on the copy stream once ``after`` (recorded on the compute stream after that step) has
@@ -109,7 +110,7 @@ class TierIO:
             if after is not None and self.stream is not None:
                 self.stream.wait_event(after)
             if self.slots is None:
-                self.store(hashes, self.runner.read_blocks(block_ids, group=group), False)
+                self.store(hashes, self.runner.read_blocks(block_ids, group=group), False, parents=parents)
                 return
             digests = page_digests(pages, block_ids) if self.slots.digests else None
             host_digests = None
@@ -137,24 +138,27 @@ class TierIO:
                         self.slots.release(slot)
                     raise
                 for i, key, slot, payload in reserved:
-                    self.slots.commit(key, slot, host_digests[i] if host_digests is not None else None)
+                    self.slots.commit(key, slot, host_digests[i] if host_digests is not None else None,
+                                      parents[i] if parents is not None else None)
                 with self.slots.lock:
                     self.slots.stats.store_seconds += time.perf_counter() - t_round
                 for i, key, _, payload in reserved:  # a payload view is valid until the next put into the tier
                     for tier in lower:
                         t0 = time.perf_counter()
-                        tier.put(key, payload, host_digests[i] if host_digests is not None else None)
+                        tier.put(key, payload, host_digests[i] if host_digests is not None else None,
+                                 parents[i] if parents is not None else None)
                         tier.stats.store_seconds += time.perf_counter() - t0
                 todo = rest
 
     def store(self, hashes: list[BlockHash], rows: torch.Tensor, evicted: bool,
-              digests: list[int] | None = None) -> None:
+              digests: list[int] | None = None, parents: list[BlockHash | None] | None = None) -> None:
         """I/O thread: store host ``rows`` (from ``read_blocks``, with its ``digests`` when
-        ``self.digests``) under ``hashes``; the caller's reference keeps ``rows`` alive until
-        this returns."""
+        ``self.digests``) under ``hashes`` (``parents``: each one's chain parent key); the
+        caller's reference keeps ``rows`` alive until this returns."""
         table = rows.numpy()
         for i, key in enumerate(hashes):
-            self.h.store(key, table[i].data, evicted, None if digests is None else digests[i])
+            self.h.store(key, table[i].data, evicted, None if digests is None else digests[i],
+                         None if parents is None else parents[i])
 
     def fetch(self, hashes: list[BlockHash], group: int | None = None) -> LoadedBlocks:
         """I/O thread: the leading ``hashes`` (tier keys of cache group ``group``'s blocks; None:

@@ -304,9 +304,9 @@ def chat_with_fresh_fillers(llm) -> list:
 
 @pytest.mark.slow
 def test_engine_with_an_s3fifo_tier_serves_prefixes_with_unchanged_output(make_llm):
-    """A 24-block device over a CPU tier of 48 slots run by ``s3fifo``: later turns load their
-    prefix from the tier (the fillers, stored once, are what it evicts) and the outputs equal an
-    engine without any cache."""
+    """A 24-block device over a CPU tier of 48 slots run by ``s3fifo``: a later turn loads its
+    prefix from the tier after the fillers pushed it off the device, the tier evicts, and the
+    outputs equal an engine without any cache."""
     from tests.connector.test_tiers import chat_turns
 
     plain = make_llm(enable_prefix_caching=False)
@@ -318,6 +318,72 @@ def test_engine_with_an_s3fifo_tier_serves_prefixes_with_unchanged_output(make_l
     outs = chat_with_fresh_fillers(llm)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert cpu.arena.policy.name == "s3fifo" and cpu.arena.capacity_slots == 48
-    assert all(o.metrics["cached_tokens_by_source"].get("cpu", 0) > 0 for o in outs[1:])
+    # the second turn loads the first's prompt from the tier (by the third, the fillers' chains have
+    # worn the conversation's down: chain-order S3-FIFO re-offers a parent when its child goes)
+    assert outs[1].metrics["cached_tokens_by_source"].get("cpu", 0) >= 96
     assert all(o.metrics["cached_tokens_by_source"].get("device", 0) == 0 for o in outs[1:])  # the device lost it
     assert cpu.stats.evictions > 0
+
+
+CHAIN_KEYS = [bytes([16 + i]) * 16 for i in range(12)]
+"""Three chains of four blocks: chain c is keys 4c .. 4c + 3, each block's parent the one before."""
+
+
+def chain(c: int, n: int) -> list[tuple[bytes, bytes | None]]:
+    keys = CHAIN_KEYS[4 * c: 4 * c + n]
+    return [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
+
+
+@pytest.mark.parametrize("policy", online_policies())
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stores=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4)), min_size=3, max_size=30))
+def test_chain_stores_are_evicted_like_the_simulated_tier(policy, stores):
+    """Stores of chains (root first, each block naming its parent) into a 6-slot tier: the
+    engine's CPU tier keeps the simulated tier's chain order (a block with stored children is
+    out of the policy until they go), so both evict the same keys in the same order."""
+    slots = 6
+    sim = SimTier(SimTierConfig(slots, policy), block_size=16, block_bytes=1.0)
+    recorder = Recorder()
+    sim.pool.add_listener(recorder)
+    cpu = CPUTier(slots * SLOT, eviction_policy=policy)
+    seen = Evictions()
+    cpu.add_eviction_listener(seen)
+    for c, n in stores:
+        for key, parent in chain(c, n):
+            if not sim.lookup(None, [key]):  # the engine's put of a stored key is a no-op
+                sim.store(KVBlock(0, block_hash=key, parent_hash=parent))
+            assert cpu.put(key, payload(key), parent=parent)
+        assert seen.keys == recorder.keys
+
+
+class ChainGuard:
+    """Fails if the tier evicts a key while a key naming it as parent is stored."""
+
+    def __init__(self, parents: dict) -> None:
+        self.parents = parents
+
+    def frame_evicted(self, tier, key, frame) -> None:
+        assert not any(p == key and tier.contains(k) for k, p in self.parents.items()), "a chain was cut"
+
+
+@pytest.mark.parametrize("policy", online_policies())
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["store", "store", "hit", "demand"]), st.integers(0, 2),
+                              st.integers(1, 4)), min_size=5, max_size=50))
+def test_the_tier_never_cuts_a_chain_before_its_tail(policy, ops):
+    """Whatever the stores, hits and demand: a block leaves the tier only after every stored
+    block that extends it (a prefix lookup stops at the first missing block, so a kept tail
+    behind a dropped head would be dead weight)."""
+    parents = {k: p for c in range(3) for k, p in chain(c, 4)}
+    cpu = CPUTier(6 * SLOT, eviction_policy=policy)
+    cpu.add_eviction_listener(ChainGuard(parents))
+    for kind, c, n in ops:
+        if kind == "store":
+            for key, parent in chain(c, n):
+                assert cpu.put(key, payload(key), parent=parent)
+        elif kind == "hit":
+            for key, _ in chain(c, n):
+                if cpu.get(key) is None:
+                    break
+        else:
+            cpu.set_demand({key: (c, depth) for depth, (key, _) in enumerate(chain(c, n))})

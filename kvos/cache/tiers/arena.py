@@ -129,9 +129,10 @@ class SlotArena:
         self._free[:0] = range(self._num_slots + n - 1, self._num_slots - 1, -1)  # popped after older free slots
         self._num_slots += n
 
-    def bind(self, key: BlockHash, slot: int) -> None:
-        """``key`` (not bound) now lives in ``slot`` (from ``alloc`` or ``evict``)."""
-        self.keys.bind(key, slot)
+    def bind(self, key: BlockHash, slot: int, parent: BlockHash | None = None) -> None:
+        """``key`` (not bound) now lives in ``slot`` (from ``alloc`` or ``evict``); ``parent``:
+        the key before it in its chain (``SlotKeys``: chain order)."""
+        self.keys.bind(key, slot, parent)
 
     def evict(self, wanted: bool = True) -> tuple[BlockHash, int] | None:
         """Unbind the policy's choice among the keys no waiting request wants (else, if

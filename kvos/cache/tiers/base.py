@@ -84,10 +84,12 @@ class Tier(ABC):
         """The stored frame of ``key`` (see ``codec``), or None."""
 
     @abstractmethod
-    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
+    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None,
+               parent: BlockHash | None = None) -> bool:
         """Store the frame of payload ``data`` bound to ``key`` (``self.codec``; ``digest``: the
-        payload's ``block_digests`` value if the caller has it, used by a ``DigestCodec``); False
-        (counted) when skipped."""
+        payload's ``block_digests`` value if the caller has it, used by a ``DigestCodec``;
+        ``parent``: the key of the block before it in its chain, if known, which the CPU tier's
+        eviction uses); False (counted) when skipped."""
 
     @abstractmethod
     def _drop(self, key: BlockHash) -> None: ...
@@ -130,10 +132,11 @@ class Tier(ABC):
             self.stats.hits_blocks -= 1
             self.stats.loads_bytes -= nbytes
 
-    def put(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
+    def put(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None,
+            parent: BlockHash | None = None) -> bool:
         if self.contains(key):
             return True
-        ok = self._write(key, data, digest)
+        ok = self._write(key, data, digest, parent)
         if ok:
             self.stats.stores_blocks += 1
             self.stats.stores_bytes += len(data)

@@ -213,7 +213,8 @@ class CPUTier(Tier):
         log.info("cpu tier: %.1f GiB of slots allocated in %.1f s (in the background)",
                  self.arena.reserved_bytes / 2**30, time.perf_counter() - t0)
 
-    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
+    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None,
+               parent: BlockHash | None = None) -> bool:
         with self.lock:
             slot = self._take_slot(self._LEAD + HEADER_SIZE + len(data))
             if slot is None:
@@ -223,7 +224,7 @@ class CPUTier(Tier):
                 self.codec.encode_into(frame, key, data, digest)
             else:
                 self.codec.encode_into(frame, key, data)
-            self.arena.bind(key, slot)
+            self.arena.bind(key, slot, parent)
         return True
 
     def reserve(self, key: BlockHash, nbytes: int, evict_wanted: bool = True) -> tuple[int, memoryview] | None | bool:
@@ -250,9 +251,10 @@ class CPUTier(Tier):
             self._reserved[slot] = nbytes
             return slot, self._frame(slot, nbytes)[HEADER_SIZE:]
 
-    def commit(self, key: BlockHash, slot: int, digest: int | None = None) -> None:
+    def commit(self, key: BlockHash, slot: int, digest: int | None = None, parent: BlockHash | None = None) -> None:
         """Frame the payload written into a reserved slot and bind it to ``key`` (``digest``:
-        its ``block_digests`` value, for digest frames)."""
+        its ``block_digests`` value, for digest frames; ``parent``: the key before it in its
+        chain)."""
         with self.lock:
             nbytes = self._reserved.pop(slot)
         frame = self._frame(slot, nbytes)
@@ -261,7 +263,7 @@ class CPUTier(Tier):
         else:
             self.codec.write_header(frame, key)
         with self.lock:
-            self.arena.bind(key, slot)
+            self.arena.bind(key, slot, parent)
             self.stats.stores_blocks += 1
             self.stats.stores_bytes += len(frame) - HEADER_SIZE
 

@@ -91,7 +91,8 @@ class DiskTier(Tier):
                 self.stats.errors += 1
             return None
 
-    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
+    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None,
+               parent: BlockHash | None = None) -> bool:
         blob = self.codec.encode(key, data)
         if len(blob) > self.capacity_bytes:
             self.stats.skipped_writes += 1

@@ -91,8 +91,10 @@ class TierHierarchy:
             if upper.receives_stores:
                 upper.put(key, data, digest)
 
-    def store(self, key: BlockHash, data: bytes | memoryview, evicted: bool, digest: int | None = None) -> None:
-        """Called when a device block is computed (``evicted=False``) or evicted (True)."""
+    def store(self, key: BlockHash, data: bytes | memoryview, evicted: bool, digest: int | None = None,
+              parent: BlockHash | None = None) -> None:
+        """Called when a device block is computed (``evicted=False``) or evicted (True);
+        ``parent``: the key of the block before it in its chain."""
         if self.write_policy == "write_through":
             targets = [] if evicted else self.tiers
         else:
@@ -101,7 +103,7 @@ class TierHierarchy:
             if not tier.receives_stores:
                 continue
             t0 = time.perf_counter()
-            tier.put(key, data, digest)
+            tier.put(key, data, digest, parent)
             tier.stats.store_seconds += time.perf_counter() - t0
 
     def usage(self) -> list[dict]:

@@ -71,7 +71,8 @@ class RedisTier(Tier):
     def _read(self, key: BlockHash) -> bytes | None:
         return self._call(lambda: self.client.get(self.PREFIX + key.hex()), None)
 
-    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None) -> bool:
+    def _write(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None,
+               parent: BlockHash | None = None) -> bool:
         blob = self.codec.encode(key, data)
         ok = self._call(lambda: self.client.set(self.PREFIX + key.hex(), blob), None)
         if ok:

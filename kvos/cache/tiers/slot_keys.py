@@ -17,27 +17,35 @@ block's position in that request's chain)."""
 class SlotKeys:
     """Which key each bound slot holds, and which key goes first.
 
-    Each bound key is a ``KVBlock`` record (block id: its slot; block hash: the key) that the
-    policy sees as ``BlockPool`` shows it a cached block freed by a request: ``bind`` ticks the
+    Each bound key is a ``KVBlock`` record (block id: its slot; block hash: the key; parent
+    hash: the key of the block before it in its chain, when the store named it) that the policy
+    sees as ``BlockPool`` shows it a cached block freed by a request: ``bind`` ticks the
     record's ``cached_at``, then its ``last_used``, and offers it (``add``); a hit (``lookup``)
     is a prefix hit followed by the hitting request's free: ``on_hit`` at a new tick, out of the
-    policy (``remove``), ``num_hits`` + 1, ``last_used`` ticked, back in (``add``). Tier keys are
-    opaque, so a record has no parent, depth, priority or kind: every key is a leaf of depth 0
-    to the policy (no chain order; ``weighted`` reduces to hit counts with aging). With ``lru``
-    this is an LRU list in which a bind or a hit moves a key to the end.
+    policy (``remove``), ``num_hits`` + 1, ``last_used`` ticked, back in (``add``). A record has
+    no depth, priority or kind (``weighted`` reduces to hit counts with aging). With ``lru``
+    and no parents this is an LRU list in which a bind or a hit moves a key to the end.
+
+    Chain order (``BlockPool``'s, so the policy decides as the simulated tier's does): a key
+    with bound children is parked, out of the policy, and comes back (``add``) when its last
+    child leaves; the policy chooses only among the chains' last blocks, and a chain is never
+    cut before the blocks that extend it. A hit on a parked key is heard (``on_hit``, its use
+    counted) and leaves it parked, as a hit on a whole chain in the simulated tier touches the
+    chain and frees it tail first.
 
     Demand (``set_demand``): at the first ``evict`` after the demand changed, the keys held for
     the old demand go back to the policy (``restore``, or ``add`` for a key bound or hit while
     held, so that the policy counts that use) and every bound key the new demand names is taken
-    out of it (held): O(demand) once per change. A key bound while the applied demand names it
-    is held at once; a held key stays held after a hit.
+    out of it (held; a parked one when its children go): O(demand) once per change. A key
+    bound while the applied demand names it is held at once; a held key stays held after a hit.
 
     ``evict`` takes the policy's choice; only when the policy holds no key does it take a held
     one: the one wanted farthest back in the queue, deepest in its chain first, least recently
     used first among equals (``BlockPool.evict_held``'s rule).
 
-    Invariant: every bound key is either in the policy or held, never both. Not thread-safe:
-    the owner's lock guards it (``CPUTier``).
+    Invariant: every bound key is in exactly one of the policy, the held and the parked; a key
+    is parked exactly when it has bound children. Not thread-safe: the owner's lock guards it
+    (``CPUTier``).
     """
 
     def __init__(self, policy: EvictionPolicy) -> None:
@@ -51,6 +59,8 @@ class SlotKeys:
         self._held_order: list[tuple[int, int, int, int]] = []  # heap of (-rank, -depth, last_used, slot)
         self._unoffered: set[int] = set()  # held slots that go back with ``add`` (bound or hit while held)
         self._held_for: Demand | None = None  # the demand applied (None: none yet)
+        self._parked: dict[int, KVBlock] = {}  # slot -> record with bound children, out of the policy
+        self._children: dict[BlockHash, int] = {}  # key -> its bound children (the key bound or not)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -70,22 +80,35 @@ class SlotKeys:
         self._clock += 1
         return self._clock
 
-    def bind(self, key: BlockHash, slot: int) -> None:
-        """``key`` (not bound) now lives in ``slot`` (free: from ``alloc`` or ``evict``)."""
+    def bind(self, key: BlockHash, slot: int, parent: BlockHash | None = None) -> None:
+        """``key`` (not bound) now lives in ``slot`` (free: from ``alloc`` or ``evict``);
+        ``parent``: the key of the block before it in its chain (None: a root, or not known)."""
         if key in self.slots:
             raise ValueError(f"key {key.hex()} is bound already")
         record = self._records.get(slot)
         if record is None:
             record = self._records[slot] = KVBlock(slot)
         record.block_hash = key
+        record.parent_hash = parent
         record.cached_at = self._tick()
         record.last_used = self._tick()
         self.slots[key] = slot
-        if self._held_for is self.demand and key in self.demand:
+        if self._children.get(key):  # its children came first (stored on another copy of it)
+            self._parked[slot] = record
+        elif self._held_for is self.demand and key in self.demand:
             self._unoffered.add(slot)
             self._hold(record, self.demand[key])
         else:
             self.policy.add(record)
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+            pslot = self.slots.get(parent)
+            if pslot is not None and pslot not in self._parked:
+                precord = self._records[pslot]
+                if self._held.pop(pslot, None) is None:
+                    self.policy.remove(precord)
+                self._unoffered.discard(pslot)
+                self._parked[pslot] = precord
 
     def lookup(self, key: BlockHash) -> int | None:
         """The slot holding ``key``, or None; a hit, which the policy hears (``on_hit``)."""
@@ -94,6 +117,10 @@ class SlotKeys:
             return None
         record = self._records[slot]
         self.policy.on_hit(record, self._tick())
+        if slot in self._parked:
+            record.num_hits += 1
+            record.last_used = self._tick()
+            return slot
         held = slot in self._held
         if not held:
             self.policy.remove(record)
@@ -129,7 +156,7 @@ class SlotKeys:
         if slot is None:
             return None
         record = self._records[slot]
-        if self._held.pop(slot, None) is None:
+        if self._parked.pop(slot, None) is None and self._held.pop(slot, None) is None:
             self.policy.remove(record)
         self._unoffered.discard(slot)
         return self._unbind(record)[1]
@@ -138,9 +165,29 @@ class SlotKeys:
         key = record.block_hash
         assert key is not None
         del self.slots[key]
-        record.block_hash = None
+        self._child_left(record.parent_hash)
+        record.block_hash = record.parent_hash = None
         record.num_hits = 0
         return key, record.block_id
+
+    def _child_left(self, parent: BlockHash | None) -> None:
+        """A child of ``parent`` was unbound: the parent, once childless, comes back to the
+        policy (or is held, if the applied demand names it)."""
+        if parent is None:
+            return
+        left = self._children[parent] - 1
+        if left:
+            self._children[parent] = left
+            return
+        del self._children[parent]
+        pslot = self.slots.get(parent)
+        if pslot is None or (precord := self._parked.pop(pslot, None)) is None:
+            return
+        if self._held_for is not None and parent in self._held_for:
+            self._unoffered.add(pslot)
+            self._hold(precord, self._held_for[parent])
+        else:
+            self.policy.add(precord)
 
     def _hold(self, record: KVBlock, want: tuple[int, int]) -> None:
         self._held[record.block_id] = record
@@ -168,7 +215,7 @@ class SlotKeys:
         demand = self._held_for = self.demand
         for key, want in demand.items():
             slot = self.slots.get(key)
-            if slot is not None:
+            if slot is not None and slot not in self._parked:  # a parked one: held when its children go
                 record = self._records[slot]
                 self.policy.remove(record)
                 self._hold(record, want)
