@@ -157,8 +157,14 @@ def test_a_killed_engine_loses_no_plain_request_and_cuts_streams_cleanly(server,
     plains = [threading.Thread(target=plain, args=(i,)) for i in range(4)]
     for t in plains:
         t.start()
-    wait_until(lambda: sum(s.get("running", 0) for s in engines(server).values()) >= 5, timeout=60)
-    state = engines(server)
+    state: dict = {}
+
+    def all_running() -> bool:  # the snapshot that met it: a stream may end right after
+        state.clear()
+        state.update(engines(server))
+        return sum(s.get("running", 0) for s in state.values()) >= 5
+
+    wait_until(all_running, timeout=60)
     assert all(s.get("running", 0) >= 1 for s in state.values()), state  # both engines busy
     victim = max(state, key=lambda e: state[e].get("running", 0))
     os.kill(state[victim]["pid"], signal.SIGKILL)
