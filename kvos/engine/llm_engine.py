@@ -510,10 +510,15 @@ class LLMEngine:
         ureq = self._user_requests.pop(request_id, None)
         if ureq is None:
             return
-        for rid, seq in list(self.scheduler.requests.items()):
-            if seq.parent_id == request_id:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        self._finish_sequences(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(ureq)
+
+    def _finish_sequences(self, parent_id: str, status: RequestStatus) -> list[Request]:
+        """Finish every sequence of ``parent_id`` still in the scheduler (blocks freed at once)."""
+        seqs = [seq for seq in self.scheduler.requests.values() if seq.parent_id == parent_id]
+        for seq in seqs:
+            self.scheduler.finish_request(seq.request_id, status)
+        return seqs
 
     def _forget(self, ureq: _UserRequest) -> None:
         """Drop the per-sequence state of a request that finished or was aborted."""
@@ -734,7 +739,7 @@ class LLMEngine:
                 plps = ureq.prompt_logprobs
                 for pos, row in enumerate(rows, first):
                     if plps[pos] is None:  # a recompute after preemption keeps the first values
-                        plps[pos] = {t: Logprob(lp, lp.rank, None, t, self._token_text) for t, lp in row.items()}
+                        plps[pos] = {t: Logprob(lp, rank, None, t, self._token_text) for t, (lp, rank) in row.items()}
         got = self.scheduler.update_from_output(
             out, {r: s.spec_token_ids or s.token_id for r, s in sampled.items()})
         if launched.verify is not None:
@@ -819,18 +824,14 @@ class LLMEngine:
             if ureq is not None:
                 outputs.append(self._fail_request(ureq, reason, now))
                 continue
-            for rid, seq in list(self.scheduler.requests.items()):  # the engine's own work (segment fills)
-                if seq.parent_id == pid:
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+            self._finish_sequences(pid, RequestStatus.FINISHED_ERROR)  # the engine's own work (segment fills)
         return outputs
 
     def _fail_request(self, ureq: _UserRequest, reason: str, now: float) -> RequestOutput:
         """End every unfinished sequence of a request as ``FINISHED_ERROR`` with ``reason`` as
         its ``stop_reason`` (blocks freed at once) and return its final output."""
-        for rid, seq in list(self.scheduler.requests.items()):
-            if seq.parent_id == ureq.request_id:
-                ureq.seqs.setdefault(seq.sample_index, seq)
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+        for seq in self._finish_sequences(ureq.request_id, RequestStatus.FINISHED_ERROR):
+            ureq.seqs.setdefault(seq.sample_index, seq)
         for seq in ureq.seqs.values():
             if not seq.is_finished or seq.status is RequestStatus.FINISHED_ERROR:
                 seq.status, seq.stop_reason = RequestStatus.FINISHED_ERROR, reason

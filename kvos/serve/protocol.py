@@ -91,10 +91,23 @@ _UNSUPPORTED = {"functions": "the legacy function calling (use tools)",
 """Chat fields that are a 400 naming the field."""
 
 
+MODEL_DEFAULT_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+"""The sampling fields a model's recommended values fill when a request leaves them unset, with
+``SamplingParams``' own defaults behind those."""
+
+
+def with_model_defaults(given: dict, defaults: dict | None) -> dict:
+    """Each of ``MODEL_DEFAULT_FIELDS``: as ``given`` (None or absent: unset), else the model's
+    ``defaults``, else ``SamplingParams``' own."""
+    d = defaults or {}
+    return {k: given[k] if given.get(k) is not None else d.get(k, fallback)
+            for k, fallback in MODEL_DEFAULT_FIELDS.items()}
+
+
 class _Common(BaseModel):
     """Fields shared by both endpoints; ``top_k``, ``min_p``, ``ignore_eos``, ``cache_salt``,
-    ``priority``, ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` are kvos (and
-    vLLM) extensions, ``speculative`` (false: this request never verifies drafts) is kvos's."""
+    ``priority``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens`` and
+    ``prompt_logprobs`` are kvos (and vLLM) extensions, ``speculative`` (false: this request never verifies drafts) is kvos's."""
 
     model_config = STRICT
 
@@ -114,6 +127,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     logit_bias: dict[TokenIdKey, float] | None = None  # JSON sends the token ids as strings
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     allowed_token_ids: TokenIds | None = None
@@ -192,18 +206,11 @@ class _Common(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict | None = None) -> SamplingParams:
         """``defaults`` (the model's, ``generation_config``) fill the sampling fields left unset."""
-        d = defaults or {}
-
-        def pick(name: str, fallback):
-            value = getattr(self, name)
-            return value if value is not None else d.get(name, fallback)
-
         return SamplingParams(
-            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
-            min_p=pick("min_p", 0.0), seed=self.engine_seed(),
-            max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            n=self.n, **with_model_defaults({k: getattr(self, k) for k in MODEL_DEFAULT_FIELDS}, defaults),
+            seed=self.engine_seed(), max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens, min_tokens=self.min_tokens,
@@ -239,14 +246,7 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict | None = None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs, defaults)
-        params.prompt_logprobs = self.prompt_logprobs
-        return params
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -381,8 +381,6 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's: the rendered prompt's token logprobs (plus the top-k's), in the response's top level
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _no_legacy_functions(self):
@@ -394,12 +392,6 @@ class ChatCompletionRequest(_Common):
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not returned in a stream on /v1/chat/completions (send stream: false)")
         return self
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict | None = None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs, defaults)
-        params.prompt_logprobs = self.prompt_logprobs
-        return params
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 from kvos.core.sampling_params import SamplingParams
 from kvos.core.structured_outputs import StructuredOutputsParams
 from kvos.serve.errors import clip, param_of_loc
-from kvos.serve.protocol import STRICT, ModelName
+from kvos.serve.protocol import STRICT, ModelName, with_model_defaults
 
 Status = Literal["in_progress", "completed", "incomplete"]
 IGNORED_INCLUDES = ("reasoning.encrypted_content",)
@@ -259,9 +259,5 @@ class ResponsesRequest(BaseModel):
 
     def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """As the chat route builds them: ``defaults`` (the model's) fill what is unset."""
-        d = defaults or {}
-        return SamplingParams(
-            temperature=self.temperature if self.temperature is not None else d.get("temperature", 1.0),
-            top_p=self.top_p if self.top_p is not None else d.get("top_p", 1.0), top_k=d.get("top_k", -1),
-            min_p=d.get("min_p", 0.0), repetition_penalty=d.get("repetition_penalty", 1.0),
-            max_tokens=self.max_output_tokens, structured_outputs=self.structured())
+        return SamplingParams(**with_model_defaults({"temperature": self.temperature, "top_p": self.top_p}, defaults),
+                              max_tokens=self.max_output_tokens, structured_outputs=self.structured())

@@ -839,8 +839,8 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def collect_prompt_logprobs(step: LaunchedStep) -> dict[str, tuple[int, list[dict[int, float]]]]:
+    def collect_prompt_logprobs(step: LaunchedStep) -> dict[str, tuple[int, list[dict[int, tuple[float, int]]]]]:
         """Wait for a launched step's prompt logprobs: per request id that asked for them and
-        had prompt rows in the step, (first prompt position scored, one {token: logprob} per
-        position). Positions start at 1: the first prompt token has no logprob."""
+        had prompt rows in the step, (first prompt position scored, one {token: (logprob, rank)}
+        per position). Positions start at 1: the first prompt token has no logprob."""
         return step.prompt_logprobs.collect() if step.prompt_logprobs is not None else {}

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvos.core.outputs import Logprob
 from kvos.core.sampling_params import SamplingParams
 from kvos.models.ops import use_kernels
 from kvos.worker.host_copies import to_device
@@ -120,19 +119,19 @@ class PendingPromptLogprobs:
     top: int
     ready: torch.cuda.Event | None = None
 
-    def collect(self) -> dict[str, tuple[int, list[dict[int, Logprob]]]]:
-        """Wait for the copy; per request id, (its first prompt position, one dict per row:
-        the prompt token's logprob first, then the top-k ranked 1 .. k, as vLLM orders them;
-        no text yet: the engine, which has the tokenizer, sets it)."""
+    def collect(self) -> dict[str, tuple[int, list[dict[int, tuple[float, int]]]]]:
+        """Wait for the copy; per request id, (its first prompt position, one dict per row of
+        token -> (logprob, rank): the prompt token first, then the top-k ranked 1 .. k, as vLLM
+        orders them)."""
         if self.ready is not None:
             self.ready.synchronize()
         rows, K, out, r = self.host.tolist(), self.top, {}, 0
         for e in self.entries:
             dicts = []
             for tok, row in zip(e.token_ids, rows[r: r + len(e.token_ids)]):
-                d = {tok: Logprob(row[0], int(row[1]))}
+                d = {tok: (row[0], int(row[1]))}
                 for rank, (i, v) in enumerate(zip(row[2 + K: 2 + K + e.k], row[2: 2 + e.k]), 1):
-                    d.setdefault(int(i), Logprob(v, rank))
+                    d.setdefault(int(i), (v, rank))
                 dicts.append(d)
             out[e.request_id] = (e.first, dicts)
             r += len(e.token_ids)
