@@ -44,7 +44,8 @@ class AsyncEngine:
         self._closed: str | None = None  # set by cut_all: why new requests are refused
         self._thread = threading.Thread(target=self._run, name="kvos-engine", daemon=True)
         self.num_pending = 0  # sequences submitted with no output yet (event-loop thread only)
-        self.num_queued = 0  # sequences submitted that the engine thread has not added yet
+        self._queued = 0  # sequences submitted that the engine thread has not taken yet (under _queued_lock)
+        self._queued_lock = threading.Lock()
         config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_facts = ModelFacts(engine.kv.model_id, engine.max_model_len, engine.model_config.vocab_size,
@@ -73,17 +74,16 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = OutputChannel(loop)
         accepted = loop.create_future()
+        with self._queued_lock:
+            self._queued += params.n
         self._submit(("add", (prompt, params, request_id, priority, cache_salt), stream, accepted))
         self.num_pending += params.n  # every sequence counts (a prompt forks into n)
-        self.num_queued += params.n
         try:
             await accepted
         except BaseException:
             self.num_pending -= params.n
             self.abort(request_id)  # covers cancellation after the engine already took it
             raise
-        finally:
-            self.num_queued -= params.n
         return RequestStream(self, request_id, stream, params.n)
 
     def abort(self, request_id: str) -> None:
@@ -120,6 +120,13 @@ class AsyncEngine:
         done = loop.create_future()
         self._submit(("call", fn, OutputChannel(loop), done))
         return await done
+
+    @property
+    def num_queued(self) -> int:
+        """Sequences submitted that the engine thread has not taken yet. The engine thread lowers
+        it before the scheduler holds them, so ``stats()["waiting"]`` read first and this read
+        second never count a sequence twice (a reader may briefly miss one in between)."""
+        return self._queued
 
     @property
     def num_in_flight(self) -> int:
@@ -172,6 +179,8 @@ class AsyncEngine:
                 return
             if kind == "add":
                 prompt, params, rid, priority, salt = arg
+                with self._queued_lock:
+                    self._queued -= params.n
                 try:
                     self.engine.add_request(prompt, params, request_id=rid, priority=priority, cache_salt=salt)
                 except Exception as e:  # a bad request never stops the engine
