@@ -270,7 +270,7 @@ class S3FIFOPolicy(_TwoQueuePolicy):
         self._queues = (self._small, self._main)
         self._ghost: OrderedDict[BlockHash, None] = OrderedDict()
         self._ghost_size = max(1, capacity)
-        self._state: dict[int, list] = {}  # block_id -> [cached_at, freq, in_main]
+        self._state: dict[int, list] = {}  # block_id -> [cached_at, freq, in_main, last_used when last offered]
         self._latest = 0
 
     def _st(self, block: KVBlock) -> list:
@@ -279,12 +279,16 @@ class S3FIFOPolicy(_TwoQueuePolicy):
             in_main = block.block_hash in self._ghost
             if in_main:
                 del self._ghost[block.block_hash]  # type: ignore[arg-type]
-            st = self._state[block.block_id] = [block.cached_at, -1, in_main]
+            st = self._state[block.block_id] = [block.cached_at, -1, in_main, None]
         return st
 
     def add(self, block: KVBlock) -> None:
+        """A use is a free since the block was last offered (its ``last_used`` moved): a parent
+        offered again when its last child went, unused meanwhile, gains nothing."""
         st = self._st(block)
-        st[1] = min(st[1] + 1, self.MAX_FREQ)  # -1 on the first free: its computation is no use
+        if st[3] != block.last_used:
+            st[1] = min(st[1] + 1, self.MAX_FREQ)  # -1 on the first free: its computation is no use
+            st[3] = block.last_used
         self._latest = max(self._latest, block.last_used)
         (self._main if st[2] else self._small).push(block, block.last_used)
 

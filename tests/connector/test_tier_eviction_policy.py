@@ -318,9 +318,9 @@ def test_engine_with_an_s3fifo_tier_serves_prefixes_with_unchanged_output(make_l
     outs = chat_with_fresh_fillers(llm)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert cpu.arena.policy.name == "s3fifo" and cpu.arena.capacity_slots == 48
-    # the second turn loads the first's prompt from the tier (by the third, the fillers' chains have
-    # worn the conversation's down: chain-order S3-FIFO re-offers a parent when its child goes)
-    assert outs[1].metrics["cached_tokens_by_source"].get("cpu", 0) >= 96
+    # each later turn loads the earlier turns' prompt from the tier: the conversation, used again,
+    # reached S3-FIFO's main queue; the fillers' chains, never used again, leave from the small one
+    assert [o.metrics["cached_tokens_by_source"].get("cpu", 0) >= 96 for o in outs] == [False, True, True]
     assert all(o.metrics["cached_tokens_by_source"].get("device", 0) == 0 for o in outs[1:])  # the device lost it
     assert cpu.stats.evictions > 0
 
@@ -387,3 +387,27 @@ def test_the_tier_never_cuts_a_chain_before_its_tail(policy, ops):
                     break
         else:
             cpu.set_demand({key: (c, depth) for depth, (key, _) in enumerate(chain(c, n))})
+
+
+@pytest.mark.parametrize("block_pool", [False, True], ids=["cpu-tier", "block-pool"])
+def test_s3fifo_never_promotes_a_chain_head_that_was_never_used_again(block_pool):
+    """S3-FIFO promotes a block from the small queue only if it was used after it was cached.
+    A two-block chain, stored (or cached and freed) once and never hit, then a scan of one-block
+    chains: the chain's head leaves with the scan, though it re-entered the policy when its
+    tail went (a re-offer is no use). The engine's CPU tier, and ``BlockPool`` (the device's and
+    the simulated tier's)."""
+    scan = [bytes([100 + i]) * 16 for i in range(20)]
+    head, tail = KEYS[0], KEYS[1]
+    if not block_pool:
+        cpu = CPUTier(6 * SLOT, eviction_policy="s3fifo")
+        assert cpu.put(head, payload(head)) and cpu.put(tail, payload(tail), parent=head)
+        for key in scan:
+            assert cpu.put(key, payload(key))
+        assert not cpu.contains(head) and not cpu.contains(tail)
+        return
+    sim = SimTier(SimTierConfig(6, "s3fifo"), block_size=16, block_bytes=1.0)
+    sim.store(KVBlock(0, block_hash=head))
+    sim.store(KVBlock(0, block_hash=tail, parent_hash=head))
+    for key in scan:
+        sim.store(KVBlock(0, block_hash=key))
+    assert not sim.lookup(None, [head])
