@@ -245,6 +245,7 @@ BENCHES = [  # (command, module in kvos.bench, help, takes the engine options)
     ("hybrid", "hybrid", "hybrid KV layouts side by side: 32K-request capacity, waste, long-context tok/s", True),
     ("kv-speed", "kv_speed", "KV in the model's dtype vs 8 bits: tokens held, long-context tok/s, decode roofline", True),
     ("policies", "policies", "eviction policies vs the offline optimum on the Mooncake traces (simulated)", False),
+    ("tier-parity", "tier_parity", "the engine's CPU tier vs the simulated tier, per eviction policy, on a scan trace", False),
     ("routing", "routing", "routers across 4-64 simulated engines: hit rate, TTFT, load imbalance (Mooncake)", False),
     ("fleet", "fleet", "several engines behind one router on multi-turn chats: hit rate, TTFT, throughput; prefill/decode transfer", True),
     ("speculative", "speculative", "one stream with and without speculation (n-gram or a draft model): tok/s, tokens per step, acceptance", True),

@@ -315,6 +315,34 @@ class BlockPool:
                     block.priority = min(block.priority, priority)
             block.ref_cnt += 1
 
+    def note_uses(self, blocks: list[KVBlock]) -> None:
+        """Unreferenced cached ``blocks`` (a chain, root first) were used where they lie, with no
+        reference taken (a tier's copies loaded, or stored again): the policy hears each hit at
+        one time, root first (``on_hit``), those in it leave it and come back tail first with
+        their new last use, as ``touch`` then ``free_blocks`` show a request's prefix hit. Chain
+        order is left as it is: a parked block stays parked, a held one held, and no parent is
+        offered meanwhile (``touch`` of a chain's later blocks alone would offer it)."""
+        if not blocks:
+            return
+        now = self.clock.tick()
+        taken: list[tuple[KVBlock, bool]] = []
+        for block in blocks:
+            if block.ref_cnt or block.block_hash is None:
+                raise ValueError(f"note_uses of a referenced or uncached block {block}")
+            self.evictor.on_hit(block, now)
+            in_policy = block.block_id not in self._parked and block.block_id not in self._held
+            if in_policy:
+                self.evictor.remove(block)
+            block.num_hits += 1
+            block.last_used = now
+            taken.append((block, in_policy))
+        for block, in_policy in reversed(taken):
+            block.last_used = self.clock.tick()
+            if block.block_id in self._held:
+                self._held_unoffered.add(block.block_id)  # the policy counts the use on release
+            elif in_policy:
+                self.evictor.add(block)
+
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; those reaching 0 become evictable (cached) or
         plain free, in the given order. Pass a request's blocks tail first."""

@@ -13,7 +13,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvos.cache.block import BlockHash, FreeBlockQueue, KVBlock
 from kvos.core.registry import Registry
@@ -40,6 +40,13 @@ class EvictionPolicy(ABC):
         """Put back a block taken out with ``remove`` and not used meanwhile (held for a
         waiting request): as if it had never left."""
         self.add(block)
+
+    def expect(self, hashes: Iterable[BlockHash]) -> None:
+        """``hashes`` are about to be cached in this pool, and the room for them is being made
+        now (a batch's slots are all taken before any is bound). A policy that remembers
+        evicted hashes sets these aside, so the evictions for their own room cannot push them
+        out: each is then found as it would be were the batch stored one block at a time. Only
+        hints: a hash set aside and never cached is forgotten as the ghosts are. No-op here."""
 
     def on_hit(self, block: KVBlock, now: int) -> None:
         """A prefix hit at logical time ``now`` takes ``block``, cached and unreferenced (in this
@@ -270,17 +277,28 @@ class S3FIFOPolicy(_TwoQueuePolicy):
         self._queues = (self._small, self._main)
         self._ghost: OrderedDict[BlockHash, None] = OrderedDict()
         self._ghost_size = max(1, capacity)
+        self._returning: OrderedDict[BlockHash, None] = OrderedDict()  # ghosts set aside by ``expect``
         self._state: dict[int, list] = {}  # block_id -> [cached_at, freq, in_main, last_used when last offered]
         self._latest = 0
 
     def _st(self, block: KVBlock) -> list:
         st = self._state.get(block.block_id)
         if st is None or st[0] != block.cached_at:  # first free since this content was cached
-            in_main = block.block_hash in self._ghost
+            h = block.block_hash
+            in_main = h in self._ghost or h in self._returning
             if in_main:
-                del self._ghost[block.block_hash]  # type: ignore[arg-type]
+                self._ghost.pop(h, None)  # type: ignore[arg-type]
+                self._returning.pop(h, None)  # type: ignore[arg-type]
             st = self._state[block.block_id] = [block.cached_at, -1, in_main, None]
         return st
+
+    def expect(self, hashes: Iterable[BlockHash]) -> None:
+        for h in hashes:
+            if h in self._ghost:
+                del self._ghost[h]
+                self._returning[h] = None
+                if len(self._returning) > self._ghost_size:
+                    self._returning.popitem(last=False)
 
     def add(self, block: KVBlock) -> None:
         """A use is a free since the block was last offered (its ``last_used`` moved): a parent
@@ -352,20 +370,38 @@ class ARCPolicy(_TwoQueuePolicy):
         self._b1: OrderedDict[BlockHash, None] = OrderedDict()
         self._b2: OrderedDict[BlockHash, None] = OrderedDict()
         self._seen: dict[int, int] = {}  # block_id -> cached_at of content already adapted on
+        self._returning: OrderedDict[BlockHash, bool] = OrderedDict()  # set aside by ``expect``: from B1?
 
     def _queue(self, block: KVBlock) -> KeyedQueue:
         return self._t2 if block.num_hits else self._t1
+
+    def expect(self, hashes: Iterable[BlockHash]) -> None:
+        for h in hashes:
+            for ghosts, from_b1 in ((self._b1, True), (self._b2, False)):
+                if h in ghosts:
+                    del ghosts[h]
+                    self._returning[h] = from_b1
+                    if len(self._returning) > self.capacity:
+                        self._returning.popitem(last=False)
 
     def add(self, block: KVBlock) -> None:
         if self._seen.get(block.block_id) != block.cached_at:  # first free of this content
             self._seen[block.block_id] = block.cached_at
             h = block.block_hash
-            if h in self._b1:
-                self.p = min(float(self.capacity), self.p + max(1.0, len(self._b2) / len(self._b1)))
+            from_b1 = self._returning.pop(h, None)  # type: ignore[arg-type]
+            b1, b2 = len(self._b1), len(self._b2)  # the ghost lists' sizes with h still in its own
+            if from_b1 is None and h in self._b1:
+                from_b1 = True
                 del self._b1[h]  # type: ignore[arg-type]
-            elif h in self._b2:
-                self.p = max(0.0, self.p - max(1.0, len(self._b1) / len(self._b2)))
+            elif from_b1 is None and h in self._b2:
+                from_b1 = False
                 del self._b2[h]  # type: ignore[arg-type]
+            elif from_b1 is not None:
+                b1, b2 = (b1 + 1, b2) if from_b1 else (b1, b2 + 1)
+            if from_b1 is True:
+                self.p = min(float(self.capacity), self.p + max(1.0, b2 / b1))
+            elif from_b1 is False:
+                self.p = max(0.0, self.p - max(1.0, b1 / b2))
         self._queue(block).push(block, block.last_used)
 
     def remove(self, block: KVBlock) -> None:

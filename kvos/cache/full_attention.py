@@ -114,9 +114,10 @@ class FullAttentionManager:
         return table, fresh
 
     def cache_blocks(self, seq: CacheableSequence, hashes: list[BlockHash], root: BlockHash,
-                     num_tokens: int | None = None) -> None:
+                     num_tokens: int | None = None, adopted: bool = False) -> None:
         """Register ``seq``'s full blocks among its first ``num_tokens`` (default
-        ``num_computed_tokens``) in the prefix index.
+        ``num_computed_tokens``) in the prefix index (``adopted``: their KV came from elsewhere,
+        see ``BlockPoolListener.block_cached``).
 
         Only safe once their KV has been written (or is being written by a step already
         launched): a block registered before its step was launched could be hit while holding
@@ -133,7 +134,7 @@ class FullAttentionManager:
         prompt_len = getattr(seq, "num_prompt_tokens", None)
         for i in range(start, num_full):
             self.pool.cache_full_block(table[i], hashes[i], hashes[i - 1] if i else root, i, seq.priority,
-                                       kind=block_kind(i, self.block_size, prompt_len))
+                                       adopted=adopted, kind=block_kind(i, self.block_size, prompt_len))
         if num_full > start:
             self._num_cached[seq.request_id] = num_full
 

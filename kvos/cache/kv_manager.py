@@ -352,9 +352,11 @@ class KVCacheManager:
     def _encoder_reclaimable(self) -> int:
         return self.encoder.reclaimable_pages() if self.encoder is not None else 0
 
-    def cache_blocks(self, seq: CacheableSequence, num_tokens: int | None = None) -> None:
+    def cache_blocks(self, seq: CacheableSequence, num_tokens: int | None = None, adopted: bool = False) -> None:
         """After a step ran: make ``seq``'s newly computed full blocks hittable (those among
-        its first ``num_tokens``, default all computed ones)."""
+        its first ``num_tokens``, default all computed ones). ``adopted``: their KV was loaded
+        from elsewhere (a lower tier, another engine), not computed here (listeners do not
+        write it through)."""
         if not self.enable_caching:
             return
         upto = seq.num_computed_tokens if num_tokens is None else min(num_tokens, seq.num_computed_tokens)
@@ -364,7 +366,7 @@ class KVCacheManager:
         self._cached_full[seq.request_id] = full
         hashes, root = self._registrable_hashes(seq), self.root(seq)
         for m in self.managers:
-            m.cache_blocks(seq, hashes, root, num_tokens)
+            m.cache_blocks(seq, hashes, root, num_tokens, adopted)
 
     def trim(self, seq: CacheableSequence) -> None:
         """Free ``seq``'s blocks past the ones its ``num_tokens`` tokens need: after a verify

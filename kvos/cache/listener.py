@@ -24,7 +24,7 @@ class BlockPoolListener(Protocol):
 
     def block_cached(self, group: int, block: KVBlock, adopted: bool) -> None:
         """``block`` was registered in cache group ``group``'s prefix index (``adopted``: its KV came from
-        another engine, not from this engine's step)."""
+        elsewhere, another engine or a lower tier's copy, not from this engine's step)."""
 
     def block_evicting(self, group: int, block: KVBlock) -> None:
         """``block`` of cache group ``group`` (unreferenced, still registered) is about to lose

@@ -176,7 +176,7 @@ class OffloadManager:
 
     # -- BlockPoolListener ---------------------------------------------------------------
     def block_cached(self, group: int, block: KVBlock, adopted: bool) -> None:
-        if self._write_through and not adopted:  # adopted blocks are another engine's to store
+        if self._write_through and not adopted:  # adopted: loaded from a tier or another engine, stored there
             self._computed.append((group, block))
 
     def block_evicting(self, group: int, block: KVBlock) -> None:

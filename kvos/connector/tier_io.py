@@ -116,12 +116,19 @@ class TierIO:
             host_digests = None
             lower = [t for t in self.h.tiers if t.receives_stores and t is not self.slots]
             todo = list(range(len(block_ids)))
+            self.slots.expect(hashes)
             while todo:  # one round, unless the tier is full of blocks waiting requests want
                 t_round = time.perf_counter()
                 reserved: list[tuple[int, BlockHash, int, memoryview]] = []
                 try:
                     rest = []
                     for n, i in enumerate(todo):
+                        if self.slots.contains(hashes[i]):  # stored already: a use, at its turn as a put's
+                            if reserved:  # after this round's blocks are bound
+                                rest = todo[n:]
+                                break
+                            self.slots.touch(hashes[i])
+                            continue
                         got = self.slots.reserve(hashes[i], pages.shape[1], evict_wanted=not reserved)
                         if got is False:  # as a put would: this round's blocks go first
                             rest = todo[n:]
@@ -233,6 +240,11 @@ class TierIO:
                 self.h.tiers[tier].reject(key, len(data))
                 del found[i:]
                 break
+        by_tier: dict[int, list[BlockHash]] = {}
+        for key, _, tier, _ in found:  # each tier hears its part of the chain as one use, root first
+            by_tier.setdefault(tier, []).append(key)
+        for tier, keys in by_tier.items():
+            self.h.tiers[tier].note_hits(keys)
         for i, (key, data, tier, _) in enumerate(found):
             self.h.promote(key, data, tier, digests[i] if digests else None)
         return LoadedBlocks([self.h.tiers[t].name for _, _, t, _ in found], rows[: len(found)], ready)

@@ -510,7 +510,7 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             for src in loaded_by_source:
                 req.cached_by_source[src] = req.cached_by_source.get(src, 0) + bs
-        self.kv.cache_blocks(req)
+        self.kv.cache_blocks(req, adopted=True)  # the tiers' own copies: nothing to write through
         self.kv.record_prefix_query(req.num_tokens, req.num_computed_tokens)
         self.kv.counters.tier_hits_tokens += req.num_computed_tokens - hit_device
         if req.num_cached_tokens < 0:

@@ -105,8 +105,7 @@ class SimTier:
         """Write-through: store the blocks the step registered (still cached); then forget the
         step's demand."""
         if self._computed is not None:
-            for _group, block in self._computed.drain():
-                self.store(block)
+            self.store_batch([block for _, block in self._computed.drain()])
         self.end_step()
 
     def end_step(self) -> None:
@@ -134,8 +133,7 @@ class SimTier:
         pool = self.pool
         held = pool.index.get(block.block_hash)
         if held is not None:
-            pool.touch([held], hit=True)
-            pool.free_blocks([held])
+            pool.note_uses([held])
             return
         evicted_before = pool.counters.evictions
         [slot] = pool.get_new_blocks(1)
@@ -143,6 +141,41 @@ class SimTier:
         pool.free_blocks([slot])
         self.stored += 1
         self.dropped += pool.counters.evictions - evicted_before
+
+    def store_batch(self, blocks: list[KVBlock]) -> None:
+        """Write-through of a step's blocks as the engine's CPU tier takes them
+        (``TierIO.store_computed``): the policy is told of the batch (``expect``), each block's
+        slot is taken in order, evicting as needed, and the batch is bound (cached, freed) only
+        after every slot is taken. A round ends early, its blocks bound first, when only blocks
+        waiting requests want could make room, and at a hash held already, which then counts
+        as a use (as ``store`` counts it)."""
+        pool = self.pool
+        pool.evictor.expect([b.block_hash for b in blocks])
+        taken: list[tuple[KVBlock, KVBlock]] = []
+        for block in blocks:
+            assert block.block_hash is not None
+            held = pool.index.get(block.block_hash)
+            if held is not None:  # a use at its turn, after this round's blocks are bound
+                self._bind(taken)
+                taken = []
+                pool.note_uses([held])
+                continue
+            if taken and not len(pool.plain_free):
+                self.before_evict(pool.group)
+                if not len(pool.evictor):  # only wanted blocks could go: this round's blocks first
+                    self._bind(taken)
+                    taken = []
+            evicted_before = pool.counters.evictions
+            [slot] = pool.get_new_blocks(1)
+            self.dropped += pool.counters.evictions - evicted_before
+            taken.append((slot, block))
+        self._bind(taken)
+
+    def _bind(self, taken: list[tuple[KVBlock, KVBlock]]) -> None:
+        for slot, block in taken:
+            self.pool.cache_full_block(slot, block.block_hash, block.parent_hash, block.depth, block.priority)
+            self.pool.free_blocks([slot])
+            self.stored += 1
 
     def load(self, hashes: list[BlockHash], now: float) -> tuple[int, float]:
         """Start loading the leading ``hashes`` still held (earlier stores may have evicted some
@@ -154,8 +187,7 @@ class SimTier:
                 break
             blocks.append(b)
         if blocks:  # a hit: the policy sees the use, root first, then the chain goes back tail first
-            self.pool.touch(blocks, hit=True)
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.note_uses(blocks)
         self.loaded += len(blocks)
         seconds = len(blocks) * self.block_bytes / self.cfg.load_bandwidth
         self.busy_s += seconds

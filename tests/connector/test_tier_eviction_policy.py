@@ -43,7 +43,7 @@ class PolicyOrder:
     ticks ``last_used`` and gives it back (a held one stays held); a demand set is applied at the
     next eviction: held blocks go back (``restore``, or ``add`` if stored or hit while held), then
     every stored key it names is held; an eviction pops the policy, else the held key with the
-    largest (rank, depth), least recently used first."""
+    largest (rank, depth), least recently used first. Storing a stored key is a hit."""
 
     def __init__(self, name: str, capacity: int) -> None:
         self.policy = make_policy(name, capacity=capacity)
@@ -56,8 +56,10 @@ class PolicyOrder:
         self.held: dict[bytes, str] = {}  # key -> how it goes back: "restore" or "add"
 
     def put(self, key: bytes, evict_wanted: bool = True) -> list[bytes] | None:
-        """The keys evicted to store ``key`` (None: refused, only wanted keys could go)."""
+        """The keys evicted to store ``key`` (None: refused, only wanted keys could go); storing
+        a stored key is a hit (its content was needed again)."""
         if key in self.blocks:
+            self.hit(key)
             return []
         evicted = []
         if len(self.blocks) == self.capacity:
@@ -142,6 +144,7 @@ def run_on_tier(cpu: CPUTier, ops, on_put, on_hit, on_drop, on_demand) -> None:
                 got = cpu.reserve(key, PAYLOAD, evict_wanted=wanted)
                 if key in stored:
                     assert got is None
+                    assert cpu.touch(key)  # as ``TierIO`` reports a key stored already: a use
                 elif evicted is None:
                     assert got is False
                 else:
@@ -215,9 +218,7 @@ def test_cpu_tier_evicts_like_the_simulated_tier(policy, ops):
     recorder = Recorder()
     sim.pool.add_listener(recorder)
 
-    def put(key, wanted):
-        if sim.lookup(None, [key]):  # the engine's put of a stored key is a no-op (a sim store would be a hit)
-            return []
+    def put(key, wanted):  # a store of a stored key is a hit in both
         before = len(recorder.keys)
         sim.store(KVBlock(0, block_hash=key))
         return recorder.keys[before:]
@@ -231,8 +232,8 @@ def test_cpu_tier_evicts_like_the_simulated_tier(policy, ops):
 @settings(max_examples=200, deadline=None)
 @given(ops=OPS, explicit=st.booleans())
 def test_default_lru_evicts_as_a_plain_lru_list(ops, explicit):
-    """The default (and ``lru``) keeps the order the CPU tier always had: an LRU list in which a
-    store or a hit moves a key to the end; the least recently used key no waiting request
+    """The default (and ``lru``) is an LRU list in which a store (of a new key or of one stored
+    already) or a hit moves a key to the end; the least recently used key no waiting request
     wants goes first, else the wanted key with the largest (rank, depth), least recently used
     first among equals."""
     lru: OrderedDict[bytes, None] = OrderedDict()
@@ -240,6 +241,7 @@ def test_default_lru_evicts_as_a_plain_lru_list(ops, explicit):
 
     def put(key, wanted):
         if key in lru:
+            lru.move_to_end(key)
             return []
         evicted = []
         if len(lru) == SLOTS:
@@ -321,6 +323,9 @@ def test_engine_with_an_s3fifo_tier_serves_prefixes_with_unchanged_output(make_l
     # each later turn loads the earlier turns' prompt from the tier: the conversation, used again,
     # reached S3-FIFO's main queue; the fillers' chains, never used again, leave from the small one
     assert [o.metrics["cached_tokens_by_source"].get("cpu", 0) >= 96 for o in outs] == [False, True, True]
+    # the loads were heard (``TierIO.fetch`` -> ``note_hits``): the first turn's blocks, loaded twice
+    keys = cpu.arena.keys
+    assert sorted((keys.num_hits(k) for k in keys), reverse=True)[:6] == [2] * 6
     assert all(o.metrics["cached_tokens_by_source"].get("device", 0) == 0 for o in outs[1:])  # the device lost it
     assert cpu.stats.evictions > 0
 
@@ -334,13 +339,57 @@ def chain(c: int, n: int) -> list[tuple[bytes, bytes | None]]:
     return [(k, keys[i - 1] if i else None) for i, k in enumerate(keys)]
 
 
+def store_batch_like_tier_io(cpu: CPUTier, blocks: list[tuple[bytes, bytes | None]]) -> None:
+    """``TierIO.store_computed``'s protocol for a step's blocks: ``expect`` them, reserve every
+    slot (the first of a round may evict a wanted key), fill them, then commit them in order;
+    a key stored already ends the round and is touched (a use) after its blocks are bound."""
+    cpu.expect([k for k, _ in blocks])
+    todo = list(blocks)
+    while todo:
+        reserved, rest = [], []
+        for n, (key, parent) in enumerate(todo):
+            if cpu.contains(key):
+                if reserved:
+                    rest = todo[n:]
+                    break
+                cpu.touch(key)
+                continue
+            got = cpu.reserve(key, PAYLOAD, evict_wanted=not reserved)
+            if got is False:
+                rest = todo[n:]
+                break
+            if got is not None:
+                got[1][:] = payload(key)
+                reserved.append((key, parent, got[0]))
+        for key, parent, slot in reserved:
+            cpu.commit(key, slot, parent=parent)
+        todo = rest
+
+
+def load_like_tier_io(cpu: CPUTier, keys: list[bytes]) -> int:
+    """``TierIO.fetch``'s protocol: the leading keys found with ``get_for_load``, then one
+    ``note_hits`` for them."""
+    found = []
+    for key in keys:
+        got = cpu.get_for_load(key)
+        if got is None:
+            break
+        assert bytes(got[0]) == payload(key)
+        found.append(key)
+    cpu.note_hits(found)
+    return len(found)
+
+
 @pytest.mark.parametrize("policy", online_policies())
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stores=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4)), min_size=3, max_size=30))
-def test_chain_stores_are_evicted_like_the_simulated_tier(policy, stores):
-    """Stores of chains (root first, each block naming its parent) into a 6-slot tier: the
-    engine's CPU tier keeps the simulated tier's chain order (a block with stored children is
-    out of the policy until they go), so both evict the same keys in the same order."""
+@given(ops=st.lists(st.tuples(st.sampled_from(["batch", "batch", "put", "load"]), st.integers(0, 2),
+                              st.integers(1, 4)), min_size=3, max_size=30))
+def test_chain_stores_and_loads_are_evicted_like_the_simulated_tier(policy, ops):
+    """A step's blocks stored as one batch (``TierIO``'s reserve-all-then-commit, with
+    ``expect``), blocks stored one at a time (write-back) and chain loads (``get_for_load``
+    then ``note_hits``) on a 6-slot CPU tier, against the simulated tier (``store_batch``,
+    ``store``, ``load``): both evict the same keys in the same order, and hold the same keys.
+    Chains are stored root first, each block naming its parent."""
     slots = 6
     sim = SimTier(SimTierConfig(slots, policy), block_size=16, block_bytes=1.0)
     recorder = Recorder()
@@ -348,12 +397,20 @@ def test_chain_stores_are_evicted_like_the_simulated_tier(policy, stores):
     cpu = CPUTier(slots * SLOT, eviction_policy=policy)
     seen = Evictions()
     cpu.add_eviction_listener(seen)
-    for c, n in stores:
-        for key, parent in chain(c, n):
-            if not sim.lookup(None, [key]):  # the engine's put of a stored key is a no-op
+    for kind, c, n in ops:
+        blocks = chain(c, n)
+        if kind == "batch":
+            sim.store_batch([KVBlock(0, block_hash=k, parent_hash=p) for k, p in blocks])
+            store_batch_like_tier_io(cpu, blocks)
+        elif kind == "put":
+            for key, parent in blocks:
                 sim.store(KVBlock(0, block_hash=key, parent_hash=parent))
-            assert cpu.put(key, payload(key), parent=parent)
+                assert cpu.put(key, payload(key), parent=parent)
+        else:
+            keys = [k for k, _ in blocks]
+            assert load_like_tier_io(cpu, keys) == sim.load(keys, 0.0)[0]
         assert seen.keys == recorder.keys
+        assert {k for k in CHAIN_KEYS if cpu.contains(k)} == {k for k in CHAIN_KEYS if sim.lookup(None, [k])}
 
 
 class ChainGuard:

@@ -96,6 +96,11 @@ class SlotArena:
         """The slot holding ``key`` (a hit: the policy hears it), or None."""
         return self.keys.lookup(key)
 
+    def peek(self, key: BlockHash) -> int | None:
+        """The slot holding ``key``, or None; the policy hears nothing (``SlotKeys.hit_chain``
+        tells it of a load's hits afterwards)."""
+        return self.keys.slots.get(key)
+
     def alloc(self) -> int | None:
         """A free slot (growing by a chunk if none is free and ``grow_on_demand``), or None."""
         if not self._free and not (self.grow_on_demand and self.grow()):

@@ -97,11 +97,24 @@ class Tier(ABC):
     @abstractmethod
     def used_bytes(self) -> int: ...
 
+    def _read_for_load(self, key: BlockHash) -> bytes | memoryview | None:
+        """``_read`` for a load, which tells the tier of its hits afterwards (``note_hits``): a
+        tier whose eviction learns from hits reads here without counting one."""
+        return self._read(key)
+
+    def note_hits(self, keys: list[BlockHash]) -> None:
+        """A load took the leading ``keys`` (a chain, root first) from this tier, found with
+        ``get_for_load`` and verified: one use of the chain for a tier whose eviction learns from
+        hits (the CPU tier's policy). No-op here. Same thread rule as ``put``."""
+
     def get(self, key: BlockHash) -> bytes | memoryview | None:
         """Safe to call from several threads at once (the checksum runs outside the lock, and
         xxh3 releases the GIL); times itself into ``stats.load_seconds``."""
+        return self._get(key, self._read)
+
+    def _get(self, key: BlockHash, read) -> bytes | memoryview | None:
         t0 = time.perf_counter()
-        blob = self._read(key)
+        blob = read(key)
         data = None if blob is None else self.codec.decode(key, blob)
         if blob is not None and data is None:
             self._drop(key)
@@ -119,8 +132,9 @@ class Tier(ABC):
     def get_for_load(self, key: BlockHash) -> tuple[bytes | memoryview, int | None] | None:
         """(payload, None) as ``get`` returns it, or for a tier whose frames hold a digest
         (``DigestCodec``) (the *unverified* payload, the digest it must have): the loader checks
-        it after copying and calls ``reject`` if it differs. Same safety rules as ``get``."""
-        data = self.get(key)
+        it after copying and calls ``reject`` if it differs. Same safety rules as ``get``. The
+        loader calls ``note_hits`` for the chain it took."""
+        data = self._get(key, self._read_for_load)
         return None if data is None else (data, None)
 
     def reject(self, key: BlockHash, nbytes: int) -> None:

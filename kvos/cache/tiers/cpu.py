@@ -112,11 +112,30 @@ class CPUTier(Tier):
             slot = self.arena.lookup(key) if self.arena is not None else None
             return None if slot is None else self._frame(slot)
 
+    def _read_for_load(self, key: BlockHash) -> memoryview | None:
+        with self.lock:
+            slot = self.arena.peek(key) if self.arena is not None else None
+            return None if slot is None else self._frame(slot)
+
+    def note_hits(self, keys: list[BlockHash]) -> None:
+        with self.lock:
+            if self.arena is not None:
+                self.arena.keys.hit_chain(keys)
+
+    def put(self, key: BlockHash, data: bytes | memoryview, digest: int | None = None,
+            parent: BlockHash | None = None) -> bool:
+        """As ``Tier.put``; a key stored already counts as a use (its content was needed
+        again), as a store of a held hash does in the simulated tier."""
+        with self.lock:
+            if self.arena is not None and self.arena.lookup(key) is not None:
+                return True
+        return super().put(key, data, digest, parent)
+
     def get_for_load(self, key: BlockHash) -> tuple[memoryview, int | None] | None:
         if not self.digests:
             return super().get_for_load(key)
         t0 = time.perf_counter()
-        blob = self._read(key)
+        blob = self._read_for_load(key)
         got = None if blob is None else self.codec.split(key, blob)
         if blob is not None and got is None:
             self._drop(key)
@@ -227,10 +246,18 @@ class CPUTier(Tier):
             self.arena.bind(key, slot, parent)
         return True
 
+    def expect(self, keys: list[BlockHash]) -> None:
+        """``keys`` are about to be reserved and committed as one batch: the policy keeps its
+        memory of them (``EvictionPolicy.expect``) through the evictions that make their room."""
+        with self.lock:
+            if self.arena is not None:
+                self.arena.policy.expect(keys)
+
     def reserve(self, key: BlockHash, nbytes: int, evict_wanted: bool = True) -> tuple[int, memoryview] | None | bool:
         """A slot for ``key``'s payload of ``nbytes`` bytes that the caller fills in place (a
         device-to-host copy straight into pinned slot memory): (slot, view of its payload); None
-        when ``key`` is here already or the size cannot be stored; False when only a block a
+        when ``key`` is here already (a put would count a use: ``touch`` it, after committing
+        the blocks reserved before it) or the size cannot be stored; False when only a block a
         waiting request wants could make room and not ``evict_wanted`` (a put would then
         evict the blocks reserved before it first: commit those, then reserve again). The
         slot is unbound, invisible to gets, until ``commit``. Same thread rule as ``put``."""
@@ -250,6 +277,12 @@ class CPUTier(Tier):
                 return None
             self._reserved[slot] = nbytes
             return slot, self._frame(slot, nbytes)[HEADER_SIZE:]
+
+    def touch(self, key: BlockHash) -> bool:
+        """A block stored again (its content was needed again): a use, as ``put`` of a stored key
+        counts one; False if ``key`` is not stored. Same thread rule as ``put``."""
+        with self.lock:
+            return self.arena is not None and self.arena.lookup(key) is not None
 
     def commit(self, key: BlockHash, slot: int, digest: int | None = None, parent: BlockHash | None = None) -> None:
         """Frame the payload written into a reserved slot and bind it to ``key`` (``digest``:

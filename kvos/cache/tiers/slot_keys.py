@@ -22,7 +22,8 @@ class SlotKeys:
     sees as ``BlockPool`` shows it a cached block freed by a request: ``bind`` ticks the
     record's ``cached_at``, then its ``last_used``, and offers it (``add``); a hit (``lookup``)
     is a prefix hit followed by the hitting request's free: ``on_hit`` at a new tick, out of the
-    policy (``remove``), ``num_hits`` + 1, ``last_used`` ticked, back in (``add``). A record has
+    policy (``remove``), ``num_hits`` + 1, ``last_used`` ticked, back in (``add``); a load's
+    chain is one such hit (``hit_chain``: the uses root first, the frees tail first). A record has
     no depth, priority or kind (``weighted`` reduces to hit counts with aging). With ``lru``
     and no parents this is an LRU list in which a bind or a hit moves a key to the end.
 
@@ -111,28 +112,48 @@ class SlotKeys:
                 self._parked[pslot] = precord
 
     def lookup(self, key: BlockHash) -> int | None:
-        """The slot holding ``key``, or None; a hit, which the policy hears (``on_hit``)."""
+        """The slot holding ``key``, or None; a hit, which the policy hears (``hit_chain``)."""
         slot = self.slots.get(key)
-        if slot is None:
-            return None
-        record = self._records[slot]
-        self.policy.on_hit(record, self._tick())
-        if slot in self._parked:
-            record.num_hits += 1
-            record.last_used = self._tick()
-            return slot
-        held = slot in self._held
-        if not held:
-            self.policy.remove(record)
-        record.num_hits += 1
-        record.last_used = self._tick()
-        if held:  # re-queued among the held by its new last use; offered with ``add`` on release
-            self._unoffered.add(slot)
-            assert self._held_for is not None
-            self._hold(record, self._held_for[key])
-        else:
-            self.policy.add(record)
+        if slot is not None:
+            self.hit_chain([key])
         return slot
+
+    def num_hits(self, key: BlockHash) -> int:
+        """The hits the policy has heard for bound ``key`` since it was bound (0 if unbound)."""
+        slot = self.slots.get(key)
+        return 0 if slot is None else self._records[slot].num_hits
+
+    def hit_chain(self, keys: list[BlockHash]) -> int:
+        """A load took the leading bound ``keys`` (a chain, root first) as one use: the policy
+        hears each hit at one time, root first (``on_hit``), the ones in it leave it, and they
+        come back tail first with their new last use (``add``), as ``BlockPool.touch`` then
+        ``free_blocks`` show a request's prefix hit. A parked key stays parked, a held one held
+        (re-queued by its new last use). Returns how many keys were bound (stops at the first
+        that is not)."""
+        taken: list[tuple[BlockHash, int, KVBlock, bool]] = []
+        now = 0
+        for key in keys:
+            slot = self.slots.get(key)
+            if slot is None:
+                break
+            now = now or self._tick()  # no hit, no tick
+            record = self._records[slot]
+            self.policy.on_hit(record, now)
+            in_policy = slot not in self._parked and slot not in self._held
+            if in_policy:
+                self.policy.remove(record)
+            record.num_hits += 1
+            record.last_used = now
+            taken.append((key, slot, record, in_policy))
+        for key, slot, record, in_policy in reversed(taken):
+            record.last_used = self._tick()
+            if slot in self._held:  # offered with ``add`` on release
+                self._unoffered.add(slot)
+                assert self._held_for is not None
+                self._hold(record, self._held_for[key])
+            elif in_policy:
+                self.policy.add(record)
+        return len(taken)
 
     def evict(self, wanted: bool = True) -> tuple[BlockHash, int] | None:
         """Unbind the policy's choice among the keys no waiting request wants (else, if
