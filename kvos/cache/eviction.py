@@ -375,33 +375,37 @@ class ARCPolicy(_TwoQueuePolicy):
     def _queue(self, block: KVBlock) -> KeyedQueue:
         return self._t2 if block.num_hits else self._t1
 
+    def _take_ghost(self, h: BlockHash | None) -> bool | None:
+        """Forget ``h``'s ghost: True if it was in B1, False if in B2, None if in neither."""
+        if h in self._b1:
+            del self._b1[h]  # type: ignore[arg-type]
+            return True
+        if h in self._b2:
+            del self._b2[h]  # type: ignore[arg-type]
+            return False
+        return None
+
     def expect(self, hashes: Iterable[BlockHash]) -> None:
         for h in hashes:
-            for ghosts, from_b1 in ((self._b1, True), (self._b2, False)):
-                if h in ghosts:
-                    del ghosts[h]
-                    self._returning[h] = from_b1
-                    if len(self._returning) > self.capacity:
-                        self._returning.popitem(last=False)
+            from_b1 = self._take_ghost(h)
+            if from_b1 is not None:
+                self._returning[h] = from_b1
+                if len(self._returning) > self.capacity:
+                    self._returning.popitem(last=False)
 
     def add(self, block: KVBlock) -> None:
         if self._seen.get(block.block_id) != block.cached_at:  # first free of this content
             self._seen[block.block_id] = block.cached_at
             h = block.block_hash
             from_b1 = self._returning.pop(h, None)  # type: ignore[arg-type]
-            b1, b2 = len(self._b1), len(self._b2)  # the ghost lists' sizes with h still in its own
-            if from_b1 is None and h in self._b1:
-                from_b1 = True
-                del self._b1[h]  # type: ignore[arg-type]
-            elif from_b1 is None and h in self._b2:
-                from_b1 = False
-                del self._b2[h]  # type: ignore[arg-type]
-            elif from_b1 is not None:
-                b1, b2 = (b1 + 1, b2) if from_b1 else (b1, b2 + 1)
-            if from_b1 is True:
-                self.p = min(float(self.capacity), self.p + max(1.0, b2 / b1))
-            elif from_b1 is False:
-                self.p = max(0.0, self.p - max(1.0, b1 / b2))
+            if from_b1 is None:
+                from_b1 = self._take_ghost(h)
+            if from_b1 is not None:
+                b1, b2 = len(self._b1) + from_b1, len(self._b2) + (not from_b1)  # with h still in its list
+                if from_b1:
+                    self.p = min(float(self.capacity), self.p + max(1.0, b2 / b1))
+                else:
+                    self.p = max(0.0, self.p - max(1.0, b1 / b2))
         self._queue(block).push(block, block.last_used)
 
     def remove(self, block: KVBlock) -> None:

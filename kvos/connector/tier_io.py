@@ -123,13 +123,13 @@ class TierIO:
                 try:
                     rest = []
                     for n, i in enumerate(todo):
-                        if self.slots.contains(hashes[i]):  # stored already: a use, at its turn as a put's
-                            if reserved:  # after this round's blocks are bound
+                        got = self.slots.reserve(hashes[i], pages.shape[1], evict_wanted=not reserved)
+                        if got is None and self.slots.contains(hashes[i]):  # stored already: a use, as a put's
+                            if reserved:  # at its turn: after this round's blocks are bound
                                 rest = todo[n:]
                                 break
                             self.slots.touch(hashes[i])
                             continue
-                        got = self.slots.reserve(hashes[i], pages.shape[1], evict_wanted=not reserved)
                         if got is False:  # as a put would: this round's blocks go first
                             rest = todo[n:]
                             break

@@ -137,10 +137,8 @@ class SimTier:
             return
         evicted_before = pool.counters.evictions
         [slot] = pool.get_new_blocks(1)
-        pool.cache_full_block(slot, block.block_hash, block.parent_hash, block.depth, block.priority)
-        pool.free_blocks([slot])
-        self.stored += 1
         self.dropped += pool.counters.evictions - evicted_before
+        self._bind([(slot, block)])
 
     def store_batch(self, blocks: list[KVBlock]) -> None:
         """Write-through of a step's blocks as the engine's CPU tier takes them

@@ -126,10 +126,7 @@ class CPUTier(Tier):
             parent: BlockHash | None = None) -> bool:
         """As ``Tier.put``; a key stored already counts as a use (its content was needed
         again), as a store of a held hash does in the simulated tier."""
-        with self.lock:
-            if self.arena is not None and self.arena.lookup(key) is not None:
-                return True
-        return super().put(key, data, digest, parent)
+        return self.touch(key) or super().put(key, data, digest, parent)
 
     def get_for_load(self, key: BlockHash) -> tuple[memoryview, int | None] | None:
         if not self.digests:
